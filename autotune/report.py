@@ -1,0 +1,147 @@
+"""Reports: JSON (the source of truth), the explanation paragraph, Markdown rendering, saving."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+
+from costmodels.specs import spec_dict
+from search_spaces.space import Problem
+
+from . import __version__
+
+TIME_LABELS = {
+    "compute": "compute", "recompute": "recomputation", "tp_comm": "exposed TP communication",
+    "cp_comm": "exposed CP (ring attention) exchange", "ep_comm": "exposed MoE all-to-all",
+    "pp_comm": "exposed pipeline p2p", "dp_comm": "exposed DP gradient sync",
+    "bubble": "pipeline bubble", "optimizer": "optimizer step", "overhead": "fixed per-step overhead",
+}
+
+
+def problem_dict(problem: Problem) -> dict:
+    cl = spec_dict(problem.cluster)
+    gpu = cl.pop("gpu")
+    return {"model": spec_dict(problem.model), "gpu": gpu, "cluster": cl, "job": spec_dict(problem.job)}
+
+
+def plan_text(plan: dict) -> str:
+    sp = "true" if plan["sp"] else "false"
+    return ",".join(f"{k}={sp if k == 'sp' else v}" for k, v in plan.items())
+
+
+def _layout(plan: dict) -> str:
+    keys = ("tp", "pp", "dp", "cp", "ep", "vpp", "mbs")
+    s = " ".join(f"{k.upper()}{plan[k]}" for k in keys if plan[k] != 1 or k in ("tp", "pp", "dp"))
+    return f"{s} recompute={plan['recompute']} ZeRO-{plan['zero']}"
+
+
+def explain(best: dict, runner: dict | None, problem: Problem) -> str:
+    """One paragraph: where the winner's time and memory go, and why it beats the runner-up."""
+    tb = best["time_breakdown_s"]
+    step = best["step_time_s"]
+    parts = sorted(((k, v) for k, v in tb.items() if v > 0.005 * step), key=lambda kv: -kv[1])
+    shares = ", ".join(f"{TIME_LABELS[k]} {v / step:.0%}" for k, v in parts[:4])
+    mem = best["memory_gb"]
+    big = max(("weights", "gradients", "optimizer", "activations"), key=lambda k: mem[k])
+    text = (f"The fastest plan, {_layout(best['plan'])}, takes {step:.3g} s per step "
+            f"({best['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, MFU {best['mfu']:.1%}): {shares}. "
+            f"It needs {mem['total']:.1f} of {mem['limit']:.1f} GB per GPU, mostly {big} ({mem[big]:.1f} GB).")
+    if runner is None:
+        return text + " It is the only plan that fits."
+    slower = runner["step_time_s"] / step - 1.0
+    diffs = sorted(((k, runner["time_breakdown_s"][k] - tb[k]) for k in tb), key=lambda kv: -abs(kv[1]))
+    worse = [(k, d) for k, d in diffs if d > 0][:2]
+    better = [(k, -d) for k, d in diffs if d < 0][:1]
+    why = " and ".join(f"{d:.3g} s more {TIME_LABELS[k]}" for k, d in worse) or "no single term"
+    text += (f" The best plan with another layout, {_layout(runner['plan'])}, is {slower:.1%} slower: "
+             f"it spends {why}")
+    if better:
+        k, d = better[0]
+        text += f", which its {d:.3g} s less {TIME_LABELS[k]} does not make up"
+    text += f"; it needs {runner['memory_gb']['total']:.1f} GB."
+    if problem.cluster.num_sites > 1:
+        text += _site_sentence(best["plan"], problem)
+    return text
+
+
+def _site_sentence(plan: dict, problem: Problem) -> str:
+    site = problem.cluster.gpus_per_site
+    inner = plan["tp"] * plan["cp"] * plan["dp"]
+    if plan["pp"] > 1 and inner <= site:
+        return (f" Across the {problem.cluster.num_sites} sites only pipeline stages span the slow wide-area "
+                f"link (one stage boundary per site), so only activations ({plan['pp']} stages), never "
+                f"gradients or TP/CP/EP traffic, cross it.")
+    return " Data-parallel gradient traffic crosses the wide-area link between sites."
+
+
+def search_report(result, params_source: str = "defaults") -> dict:
+    problem = result.problem
+    return {
+        "tool": "autotune", "version": __version__, "kind": "search",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "problem": problem_dict(problem),
+        "strategy": result.strategy,
+        "calibration": params_source,
+        "best": result.best,
+        "runner_up": result.runner_up,
+        "top": result.top,
+        "space": result.space,
+        "explanation": explain(result.best, result.runner_up, problem),
+        "elapsed_s": result.elapsed_s,
+        **result.extra,
+    }
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
+
+
+def report_basename(report: dict) -> str:
+    p = report["problem"]
+    date = report["created"][:19].replace(":", "").replace("-", "")
+    return f"{_slug(p['model']['name'])}_{_slug(p['gpu']['name'])}x{p['cluster']['num_gpus']}_{date}"
+
+
+def render_markdown(report: dict) -> str:
+    p = report["problem"]
+    lines = [f"# autotune search: {p['model']['name']} on {p['cluster']['num_gpus']} x {p['gpu']['name']}",
+             "", f"Created {report['created']} by autotune {report['version']} "
+             f"(strategy {report['strategy']}, calibration {report['calibration']}).", "",
+             f"Job: global batch {p['job']['global_batch']} x {p['job']['seq_len']} tokens, "
+             f"precision {p['job']['precision']}.", "", "## Why this plan", "", report["explanation"], "",
+             "## Best plans", "",
+             "| # | TP | PP | DP | CP | EP | VPP | MBS | recompute | SP | ZeRO | step (s) | tokens/s/GPU "
+             "| TFLOP/s/GPU | MFU | memory (GB) | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(report["top"], 1):
+        pl = r["plan"]
+        lines.append(f"| {i} | {pl['tp']} | {pl['pp']} | {pl['dp']} | {pl['cp']} | {pl['ep']} | {pl['vpp']} | "
+                     f"{pl['mbs']} | {pl['recompute']} | {'on' if pl['sp'] else 'off'} | {pl['zero']} | "
+                     f"{r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:.0f} | {r['model_tflops_per_gpu']:.0f} | "
+                     f"{r['mfu']:.1%} | {r['memory_gb']['total']:.1f} | {'yes' if r['fits'] else 'no'} |")
+    best = report["best"]
+    lines += ["", "## Time and memory of the best plan", "", "| time term | seconds | share |", "|---|---|---|"]
+    for k, v in best["time_breakdown_s"].items():
+        lines.append(f"| {k} | {v:.4f} | {v / best['step_time_s']:.1%} |")
+    lines += ["", "| memory term | GB |", "|---|---|"]
+    for k, v in best["memory_gb"].items():
+        lines.append(f"| {k} | {v:.2f} |")
+    sp = report["space"]
+    illegal = ", ".join(f"{k} {v}" for k, v in sp.get("illegal", {}).items())
+    lines += ["", "## Search space", "",
+              f"{sp['total']} combinations, {sp['legal']} legal, {sp['fitting']} fit in memory, "
+              f"{sp['scored']} scored in {report['elapsed_s']:.2f} s. Illegal by first rule broken: {illegal}.", ""]
+    for extra in report.get("sections", []):
+        lines += [f"## {extra['title']}", "", extra["markdown"], ""]
+    return "\n".join(lines)
+
+
+def save_report(report: dict, out_dir: str) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, report_basename(report))
+    with open(base + ".json", "w") as fh:
+        json.dump(report, fh, indent=2)
+    with open(base + ".md", "w") as fh:
+        fh.write(render_markdown(report))
+    return base + ".json", base + ".md"

@@ -1,0 +1,114 @@
+"""Score plans with the jitted cost model and turn results into report-ready dicts.
+
+The hot path is `score_summary`: fixed-size padded chunks (so XLA compiles once per chunk size)
+through one jitted function; only step time and peak memory come back to the host.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+
+from costmodels import model as cm
+from costmodels.encode import encode_cluster, encode_job, encode_model
+from costmodels.params import EfficiencyParams
+from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
+from search_spaces.space import Problem
+
+CHUNK = 1 << 16
+SMALL_CHUNK = 1 << 12
+FULL_CHUNK = 128
+
+
+class Inputs:
+    """The encoded (array) form of a problem, built once per search."""
+
+    def __init__(self, problem: Problem, memory_limit_gb: float | None = None):
+        self.problem = problem
+        self.model = encode_model(problem.model)
+        self.hw = encode_cluster(problem.cluster)
+        limit = memory_limit_gb * 1e9 if memory_limit_gb else None
+        self.job = encode_job(problem.job, problem.cluster, limit)
+
+    @property
+    def memory_limit_bytes(self) -> float:
+        return float(self.job["memory_limit"])
+
+
+def _pad(arrays: dict, size: int) -> dict:
+    n = len(arrays["tp"])
+    if n == size:
+        return arrays
+    idx = np.concatenate([np.arange(n), np.zeros(size - n, dtype=np.int64)])
+    return {k: np.asarray(v)[idx] for k, v in arrays.items()}
+
+
+def score_summary(batch: PlanBatch, inp: Inputs, params: EfficiencyParams,
+                  chunk: int = CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """(step_time_s, mem_total_bytes) for every plan of the batch, in padded chunks."""
+    n = len(batch)
+    steps = np.empty(n, dtype=np.float32)
+    mems = np.empty(n, dtype=np.float32)
+    arrays = {f: np.asarray(batch[f], dtype=np.int32) for f in PLAN_FIELDS}
+    size = chunk if n > SMALL_CHUNK else SMALL_CHUNK      # two shapes only: one compile each
+    for start in range(0, n, size):
+        stop = min(start + size, n)
+        part = _pad({k: v[start:stop] for k, v in arrays.items()}, size)
+        s, m = cm.summary_jit(part, inp.model, inp.hw, inp.job, params)
+        steps[start:stop] = np.asarray(s)[: stop - start]
+        mems[start:stop] = np.asarray(m)[: stop - start]
+    return steps, mems
+
+
+def score_full(batch: PlanBatch, inp: Inputs, params: EfficiencyParams) -> dict:
+    """Every output of the cost model for a (small) batch, as numpy arrays."""
+    n = len(batch)
+    size = FULL_CHUNK * int(np.ceil(max(n, 1) / FULL_CHUNK))
+    part = _pad({f: np.asarray(batch[f], dtype=np.int32) for f in PLAN_FIELDS}, size)
+    out = cm.evaluate_jit(part, inp.model, inp.hw, inp.job, params)
+    return {k: np.asarray(v)[:n] for k, v in out.items()}
+
+
+TIME_KEYS = {
+    "compute": "t_compute_s", "recompute": "t_recompute_s", "tp_comm": "t_tp_comm_s",
+    "cp_comm": "t_cp_comm_s", "ep_comm": "t_ep_comm_s", "pp_comm": "t_pp_comm_s",
+    "dp_comm": "t_dp_comm_s", "bubble": "t_bubble_s", "optimizer": "t_optimizer_s",
+    "overhead": "t_overhead_s",
+}
+MEM_KEYS = {"weights": "mem_weights", "gradients": "mem_gradients", "optimizer": "mem_optimizer",
+            "activations": "mem_activations", "other": "mem_other"}
+
+
+def plan_report(plan: Plan, out: dict, i: int, inp: Inputs) -> dict:
+    """The JSON of one scored plan (the contract of `predict --json` and of search's `top`)."""
+    prob = inp.problem
+    n_gpus = prob.cluster.num_gpus
+    step = float(out["step_time_s"][i])
+    peak = float(inp.job["peak_gemm"])
+    mem_total = float(out["mem_total"][i])
+    limit = inp.memory_limit_bytes
+    tokens = prob.job.tokens_per_step
+    return {
+        "plan": plan.as_dict(),
+        "step_time_s": step,
+        "tokens_per_s": tokens / step,
+        "tokens_per_s_per_gpu": tokens / step / n_gpus,
+        "model_tflops_per_gpu": float(out["model_flops"][i]) / step / n_gpus / 1e12,
+        "mfu": float(out["model_flops"][i]) / step / n_gpus / peak,
+        "hfu": float(out["hw_flops"][i]) / step / n_gpus / peak,
+        "fits": bool(mem_total <= limit),
+        "memory_gb": {"total": mem_total / 1e9,
+                      **{k: float(out[v][i]) / 1e9 for k, v in MEM_KEYS.items()},
+                      "limit": limit / 1e9},
+        "time_breakdown_s": {k: float(out[v][i]) for k, v in TIME_KEYS.items()},
+        "micro_batches": int(round(float(out["micro_batches"][i]))),
+    }
+
+
+def score_plans(plans: list[Plan], inp: Inputs, params: EfficiencyParams) -> list[dict]:
+    batch = PlanBatch.from_plans(plans)
+    out = score_full(batch, inp, params)
+    return [plan_report(p, out, i, inp) for i, p in enumerate(plans)]
+
+
+def block_until_ready(x):
+    return jax.block_until_ready(x)

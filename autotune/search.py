@@ -1,0 +1,128 @@
+"""Exhaustive search: score every legal plan in vectorized chunks; the ground-truth optimum."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from costmodels.params import EfficiencyParams
+from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
+from costmodels.specs import SpecError
+from search_spaces.space import Problem, SpaceStats, enumerate_legal
+
+from .scoring import Inputs, plan_report, score_full, score_summary
+
+
+class NoLegalPlan(SpecError):
+    """No plan satisfies the legality rules (bad input: exit code 2)."""
+
+
+class NothingFits(Exception):
+    """Legal plans exist but none fits in memory (exit code 3). Carries the closest plan."""
+
+    def __init__(self, message: str, closest: dict, space: dict):
+        super().__init__(message)
+        self.closest = closest
+        self.space = space
+
+
+@dataclass
+class SearchResult:
+    problem: Problem
+    best: dict
+    top: list
+    space: dict
+    elapsed_s: float
+    strategy: str = "exhaustive"
+    runner_up: dict | None = None        # best plan with a different parallel layout
+    extra: dict = field(default_factory=dict)
+
+
+MESH = ("tp", "pp", "dp", "cp", "ep", "etp")
+
+
+class _TopK:
+    """Keep the K best (lowest key) rows seen across chunks, without a per-plan Python loop."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.keys = np.empty(0, dtype=np.float64)
+        self.rows = {f: np.empty(0, dtype=np.int32) for f in PLAN_FIELDS}
+
+    def add(self, keys: np.ndarray, batch: PlanBatch, mask: np.ndarray) -> None:
+        if not mask.any():
+            return
+        idx = np.flatnonzero(mask)
+        if len(idx) > self.k:
+            idx = idx[np.argpartition(keys[idx], self.k - 1)[: self.k]]
+        self.keys = np.concatenate([self.keys, keys[idx].astype(np.float64)])
+        for f in PLAN_FIELDS:
+            self.rows[f] = np.concatenate([self.rows[f], np.asarray(batch[f])[idx]])
+        if len(self.keys) > self.k:
+            keep = np.argsort(self.keys, kind="stable")[: self.k]
+            self.keys = self.keys[keep]
+            self.rows = {f: v[keep] for f, v in self.rows.items()}
+
+    def batch(self) -> PlanBatch:
+        order = np.argsort(self.keys, kind="stable")
+        return PlanBatch({f: v[order] for f, v in self.rows.items()})
+
+
+def _closest_message(rep: dict, limit_gb: float) -> str:
+    mem = rep["memory_gb"]
+    parts = sorted(((k, mem[k]) for k in ("weights", "gradients", "optimizer", "activations", "other")),
+                   key=lambda kv: -kv[1])
+    biggest = ", ".join(f"{k} {v:.1f} GB" for k, v in parts[:3])
+    plan = ",".join(f"{k}={v}" for k, v in rep["plan"].items())
+    return (f"memory: no legal plan fits in {limit_gb:.1f} GB per GPU; the closest ({plan}) needs "
+            f"{mem['total']:.1f} GB, {mem['total'] - limit_gb:.1f} GB over (largest: {biggest})")
+
+
+def exhaustive(problem: Problem, params: EfficiencyParams | None = None, *, top_k: int = 10,
+               memory_limit_gb: float | None = None, fixed: dict | None = None) -> SearchResult:
+    """Score every legal plan; return the fastest that fit, best first."""
+    params = params or EfficiencyParams()
+    t0 = time.perf_counter()
+    inp = Inputs(problem, memory_limit_gb)
+    limit = inp.memory_limit_bytes
+    stream, stats = enumerate_legal(problem, fixed)
+    top = _TopK(max(top_k, 1) * 8)        # extra rows so a different-layout runner-up is in reach
+    closest = _TopK(1)
+    n_fit = 0
+    for batch in stream:
+        steps, mems = score_summary(batch, inp, params)
+        fits = mems <= limit
+        n_fit += int(fits.sum())
+        top.add(steps, batch, fits & np.isfinite(steps))
+        closest.add(mems - limit, batch, ~fits)
+    space = stats.as_dict()
+    space["fitting"] = n_fit
+    space["scored"] = stats.legal
+    if stats.legal == 0:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(stats.illegal.items(), key=lambda kv: -kv[1])[:3])
+        raise NoLegalPlan("gpus", f"no legal plan for {problem.cluster.num_gpus} GPUs with this model and "
+                          f"job (of {stats.total} combinations; most common violations: {reasons})")
+    if n_fit == 0:
+        cb = closest.batch()
+        out = score_full(cb, inp, params)
+        rep = plan_report(cb.plan(0), out, 0, inp)
+        raise NothingFits(_closest_message(rep, limit / 1e9), rep, space)
+    tb = top.batch()
+    out = score_full(tb, inp, params)
+    reports = [plan_report(tb.plan(i), out, i, inp) for i in range(len(tb))]
+    best = reports[0]
+    mesh0 = tuple(best["plan"][k] for k in MESH)
+    runner = next((r for r in reports[1:] if tuple(r["plan"][k] for k in MESH) != mesh0),
+                  reports[1] if len(reports) > 1 else None)
+    return SearchResult(problem=problem, best=best, top=reports[:top_k], space=space,
+                        elapsed_s=time.perf_counter() - t0, runner_up=runner)
+
+
+def predict(problem: Problem, plan: Plan, params: EfficiencyParams | None = None,
+            memory_limit_gb: float | None = None) -> dict:
+    """Score one plan (already checked for legality) and return its full breakdown."""
+    params = params or EfficiencyParams()
+    inp = Inputs(problem, memory_limit_gb)
+    out = score_full(PlanBatch.from_plans([plan]), inp, params)
+    return plan_report(plan, out, 0, inp)

@@ -1,0 +1,225 @@
+"""Predict published, measured training runs and report the error.
+
+A row of `public_runs.json` (schema in shared/validation/README.md) becomes a problem and a
+partially known plan. Knobs the source does not give (micro-batch, virtual stages, recomputation,
+sequence parallelism, ZeRO stage, expert-TP) are filled the way the README asks: the tool reports
+the best plan over the unknown knobs among those that fit, i.e. what a competent engineer running
+that framework would have picked, and says which knobs it filled.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from costmodels.params import EfficiencyParams
+from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
+from costmodels.specs import JobSpec, ModelSpec, Precision, Recompute, SpecError
+from search_spaces.space import Problem
+
+from .search import NothingFits, NoLegalPlan, exhaustive
+
+# Families whose MLP is gated (SwiGLU: 3 matrices) and whose embeddings are untied, by name.
+_GATED_FAMILIES = ("llama", "mistral", "mixtral", "qwen", "deepseek", "gpt-oss", "gpt_oss")
+
+
+def _family_gated(name: str) -> bool:
+    n = name.lower()
+    return any(f in n for f in _GATED_FAMILIES)
+
+
+def _matching_preset(m: dict) -> ModelSpec | None:
+    """The preset with the row's layer count, hidden size and expert count, if there is one."""
+    for spec in MODEL_PRESETS.values():
+        if (spec.num_layers == m.get("layers") and spec.hidden_size == m.get("hidden")
+                and spec.num_experts == (m.get("num_experts") or 0)):
+            return spec
+    return None
+
+
+def model_from_row(m: dict) -> ModelSpec:
+    """A ModelSpec from a row's `model` block; fields the row omits come from a matching preset,
+    else from the family's defaults (GPT: 4h MLP, MHA, vocab 51200)."""
+    for key in ("layers", "hidden", "heads"):
+        if m.get(key) is None:
+            raise SpecError(f"model.{key}", "not given by the source")
+    preset = _matching_preset(m)
+    name = m.get("name") or "model"
+    gated = preset.gated_mlp if preset else _family_gated(name)
+    h = int(m["hidden"])
+    base = dict(
+        name=name, num_layers=int(m["layers"]), hidden_size=h,
+        num_attention_heads=int(m["heads"]),
+        ffn_hidden_size=int(m.get("ffn_hidden") or (preset.ffn_hidden_size if preset else 4 * h)),
+        num_kv_heads=int(m.get("kv_heads") or (preset.num_kv_heads if preset else m["heads"])),
+        vocab_size=int(m.get("vocab") or (preset.vocab_size if preset else 51200)),
+        gated_mlp=gated,
+        tied_embeddings=preset.tied_embeddings if preset else not gated,
+        max_seq_len=int(m.get("seq_len") or 4096),
+    )
+    if preset is not None:
+        if preset.head_dim:
+            base["head_dim"] = preset.head_dim
+        for f in ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts",
+                  "shared_expert_ffn_hidden_size", "first_k_dense_layers", "moe_layer_freq",
+                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            base[f] = getattr(preset, f)
+        if preset.is_mla:
+            base["num_kv_heads"] = base["num_attention_heads"]
+    elif m.get("num_experts"):
+        base.update(num_experts=int(m["num_experts"]), experts_per_token=int(m.get("top_k") or 2),
+                    moe_ffn_hidden_size=int(m.get("moe_ffn_hidden") or base["ffn_hidden_size"]))
+    return ModelSpec(**base)
+
+
+_KNOWN_PLAN = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vpp": "vpp", "mbs": "micro_batch"}
+
+
+@dataclass
+class RowCase:
+    id: str
+    problem: Problem
+    fixed: dict
+    filled: list
+    measured_tokens_per_s_per_gpu: float | None
+
+
+def case_from_row(row: dict) -> RowCase:
+    hw, plan, m = row.get("hardware") or {}, row.get("plan") or {}, row.get("model") or {}
+    gpu_key = hw.get("gpu_key")
+    if gpu_key not in GPU_PRESETS:
+        raise SpecError("hardware.gpu_key", f"unknown GPU {gpu_key!r}")
+    prec_key = plan.get("precision_key") or "bf16"
+    precision = Precision.parse(prec_key, "plan.precision_key")
+    gpu = GPU_PRESETS[gpu_key]
+    if gpu.peak_flops(precision) <= 0:
+        raise SpecError("plan.precision_key", f"{gpu_key} has no {prec_key} tensor cores")
+    if plan.get("global_batch") is None or m.get("seq_len") is None:
+        raise SpecError("plan.global_batch", "global batch or sequence length not given")
+    model = model_from_row(m)
+    n = hw.get("num_gpus")
+    if not n:
+        raise SpecError("hardware.num_gpus", "not given")
+    cluster = build_cluster(gpu=gpu_key, num_gpus=int(n),
+                            gpus_per_node=int(hw["gpus_per_node"]) if hw.get("gpus_per_node") else None)
+    job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision)
+    fixed, filled = {}, []
+    for knob, key in _KNOWN_PLAN.items():
+        val = plan.get(key)
+        if val is None:
+            if knob in ("cp", "ep"):
+                fixed[knob] = 1
+            elif knob != "dp":
+                filled.append(knob)
+        else:
+            fixed[knob] = int(val)
+    if plan.get("tp") is None or plan.get("pp") is None:
+        raise SpecError("plan.tp", "tp and pp must be given")
+    if plan.get("recompute_key"):
+        fixed["recompute"] = int(Recompute.parse(plan["recompute_key"], "plan.recompute_key"))
+    else:
+        filled.append("recompute")
+    if plan.get("sequence_parallel") is not None:
+        fixed["sp"] = int(bool(plan["sequence_parallel"]) and fixed.get("tp", 1) > 1)
+    else:
+        filled.append("sp")
+    if plan.get("zero_key") is not None:
+        fixed["zero"] = int(plan["zero_key"])
+    else:
+        filled.append("zero")
+    if not model.is_moe:
+        fixed["etp"] = 1
+    else:
+        filled.append("etp")
+    measured = (row.get("measured") or {}).get("tokens_per_s_per_gpu")
+    return RowCase(id=row.get("id", "?"), problem=Problem(model, cluster, job), fixed=fixed,
+                   filled=filled, measured_tokens_per_s_per_gpu=measured)
+
+
+def _row_result(row: dict, params: EfficiencyParams) -> dict:
+    rid = row.get("id", "?")
+    res = {"id": rid, "measured_tokens_per_s_per_gpu": None, "predicted_tokens_per_s_per_gpu": None,
+           "predicted_step_time_s": None, "predicted_fits": None, "predicted_memory_gb": None,
+           "error_pct": None, "skipped": None, "usable": bool(row.get("usable")),
+           "moe": bool((row.get("model") or {}).get("num_experts")), "filled": [], "plan": None,
+           "group": (row.get("source") or {}).get("group")}
+    try:
+        case = case_from_row(row)
+    except (SpecError, ValueError, TypeError, KeyError) as exc:
+        res["skipped"] = str(exc)
+        return res
+    res["measured_tokens_per_s_per_gpu"] = case.measured_tokens_per_s_per_gpu
+    res["filled"] = case.filled
+    if case.measured_tokens_per_s_per_gpu is None:
+        res["skipped"] = "measured.tokens_per_s_per_gpu: not given by the source"
+        return res
+    try:
+        result = exhaustive(case.problem, params, top_k=1, fixed=case.fixed)
+        best = result.best
+    except NothingFits as exc:
+        best = exc.closest
+    except NoLegalPlan as exc:
+        res["skipped"] = f"published plan is not in the legal space: {exc}"
+        return res
+    pred = best["tokens_per_s_per_gpu"]
+    meas = case.measured_tokens_per_s_per_gpu
+    res.update(predicted_tokens_per_s_per_gpu=pred, predicted_step_time_s=best["step_time_s"],
+               predicted_fits=best["fits"], predicted_memory_gb=best["memory_gb"]["total"],
+               error_pct=100.0 * (pred - meas) / meas, plan=best["plan"])
+    return res
+
+
+def validate_rows(rows: list, params: EfficiencyParams | None = None, only_usable: bool = True) -> dict:
+    """Predict every row; a row never raises. MAPE over the scored rows."""
+    params = params or EfficiencyParams()
+    runs = []
+    for row in rows:
+        if only_usable and not row.get("usable", True):
+            r = _row_result({"id": row.get("id"), "hardware": {}, "plan": {}, "model": {}}, params)
+            r["skipped"] = "not usable (see the row's notes)"
+            r["usable"] = False
+            runs.append(r)
+            continue
+        try:
+            runs.append(_row_result(row, params))
+        except Exception as exc:   # a row never crashes the command
+            runs.append({"id": row.get("id", "?"), "skipped": f"internal error: {exc}",
+                         "measured_tokens_per_s_per_gpu": None, "predicted_tokens_per_s_per_gpu": None,
+                         "predicted_step_time_s": None, "predicted_fits": None,
+                         "predicted_memory_gb": None, "error_pct": None})
+    return summarize(runs)
+
+
+def summarize(runs: list) -> dict:
+    errs = [abs(r["error_pct"]) for r in runs if r.get("error_pct") is not None]
+    out = {
+        "runs": runs,
+        "mape_pct": float(np.mean(errs)) if errs else None,
+        "max_abs_error_pct": float(np.max(errs)) if errs else None,
+        "n_scored": len(errs),
+        "n_skipped": sum(1 for r in runs if r.get("skipped")),
+        "n_predicted_oom": sum(1 for r in runs if r.get("predicted_fits") is False),
+    }
+    for label, pick in (("dense", lambda r: not r.get("moe")), ("moe", lambda r: r.get("moe"))):
+        e = [abs(r["error_pct"]) for r in runs if r.get("error_pct") is not None and pick(r)]
+        out[f"mape_{label}_pct"] = float(np.mean(e)) if e else None
+        out[f"max_abs_error_{label}_pct"] = float(np.max(e)) if e else None
+        out[f"n_scored_{label}"] = len(e)
+    return out
+
+
+def load_runs(path: str) -> list:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise SpecError("FILE", f"cannot read {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SpecError("FILE", f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    if isinstance(data, dict) and "runs" in data:
+        data = data["runs"]
+    if not isinstance(data, list):
+        raise SpecError("FILE", f"{path} must hold a list of runs")
+    return data

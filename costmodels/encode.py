@@ -1,0 +1,89 @@
+"""Specs -> dicts of float arrays, the cost model's traced inputs.
+
+Model, cluster and job enter the jitted scorer as arrays (not static Python values) so that one
+compiled function serves every model and cluster, and so that a batch of runs (validation,
+calibration) can be scored in one call by giving them a leading axis.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .specs import ClusterSpec, JobSpec, ModelSpec, Precision
+
+
+def encode_model(m: ModelSpec) -> dict:
+    h, a, g = m.hidden_size, m.num_attention_heads, m.num_kv_heads
+    d = m.head_dim_eff
+    if m.is_mla:
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        dv = m.v_head_dim
+        # Megatron MLA GEMMs (DeepSeek-V2 sec. 2.1): q down/up, kv down (latent + rope key), kv up, out.
+        q_down_n = m.q_lora_rank
+        q_up_n, q_up_k = a * qk, (m.q_lora_rank or h)
+        kv_down_n = m.kv_lora_rank + m.qk_rope_head_dim
+        kv_up_n, kv_up_k = a * (m.qk_nope_head_dim + dv), m.kv_lora_rank
+        attn_q_heads_dim, attn_v_dim, kv_heads = qk, dv, a
+        # activations kept per token (elements): latents, q, k, v (expanded per head)
+        attn_act_sharded = a * qk * 2 + a * dv
+        attn_act_repl = m.q_lora_rank + kv_down_n
+        kv_exchange_elems = a * (qk + dv)        # CP ring passes expanded K and V
+    else:
+        q_down_n = 0
+        q_up_n, q_up_k = (a + 2 * g) * d, h       # fused QKV projection
+        kv_down_n, kv_up_n, kv_up_k = 0, 0, 0
+        attn_q_heads_dim, attn_v_dim, kv_heads = d, d, g
+        attn_act_sharded = (a + 2 * g) * d        # Q, K, V kept for attention backward
+        attn_act_repl = 0
+        kv_exchange_elems = 2 * g * d
+    pc = m.param_counts()
+    n_moe = m.num_moe_layers
+    shared_ffn = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or m.moe_ffn_hidden_size)
+    vals = dict(
+        layers=m.num_layers, moe_layers=n_moe, hidden=h, heads=a, kv_heads=kv_heads,
+        qk_head_dim=attn_q_heads_dim, v_head_dim=attn_v_dim,
+        ffn=m.ffn_hidden_size, vocab=m.vocab_size, gated=float(m.gated_mlp),
+        tied=float(m.tied_embeddings),
+        q_down_n=q_down_n, q_up_n=q_up_n, q_up_k=q_up_k, kv_down_n=kv_down_n, kv_up_n=kv_up_n,
+        kv_up_k=kv_up_k, attn_out_k=a * attn_v_dim,
+        attn_act_sharded=attn_act_sharded, attn_act_repl=attn_act_repl,
+        kv_exchange_elems=kv_exchange_elems,
+        attn_params=m.attention_params(),
+        dense_mlp_params=m.mlp_params(m.ffn_hidden_size),
+        experts=m.num_experts, top_k=m.experts_per_token, expert_ffn=m.moe_ffn_hidden_size,
+        expert_params=m.mlp_params(m.moe_ffn_hidden_size) if m.is_moe else 0,
+        shared_ffn=shared_ffn, router_params=h * m.num_experts,
+        total_params=pc["total"], active_params=pc["active"],
+    )
+    return {k: np.float32(v) for k, v in vals.items()}
+
+
+def encode_cluster(c: ClusterSpec) -> dict:
+    gps = c.gpus_per_site
+    vals = dict(
+        num_gpus=c.num_gpus, domain=c.nvlink_domain_size, site=gps, sites=c.num_sites,
+        intra_bw=c.intra_node_bw_bytes_per_s, inter_bw=c.inter_node_bw_bytes_per_s * c.fabric_bw_factor,
+        wan_bw=c.wan_bw_bytes_per_s if c.num_sites > 1 else 1e30,
+        intra_lat=c.intra_node_latency_s, inter_lat=c.inter_node_latency_s,
+        wan_lat=c.wan_latency_s if c.num_sites > 1 else c.inter_node_latency_s,
+        hbm_bytes=c.gpu.hbm_bytes, hbm_bw=c.gpu.hbm_bandwidth_bytes_per_s,
+        peak_bf16=c.gpu.peak_flops_bf16,
+    )
+    return {k: np.float32(v) for k, v in vals.items()}
+
+
+def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = None) -> dict:
+    prec = j.precision
+    peak = c.gpu.peak_flops(prec)
+    vals = dict(
+        global_batch=j.global_batch, seq_len=j.seq_len,
+        peak_gemm=peak if peak > 0 else c.gpu.peak_flops_bf16,
+        gemm_bytes=1.0 if prec is Precision.FP8 else (0.5 if prec is Precision.FP4 else 2.0),
+        low_precision=float(prec in (Precision.FP8, Precision.FP4)),
+        memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
+    )
+    return {k: np.float32(v) for k, v in vals.items()}
+
+
+def stack_inputs(dicts: list[dict]) -> dict:
+    """Stack per-run input dicts into one dict of [K] arrays (for batched validation/calibration)."""
+    return {k: np.array([d[k] for d in dicts], dtype=np.float32) for k in dicts[0]}

@@ -1,0 +1,289 @@
+"""Frozen specs: the model, the GPU, the cluster topology and the training job.
+
+SI units inside (bytes, seconds, FLOP/s, bytes/s); GB, GB/s and TFLOP/s only in preset files, the
+CLI and reports. Specs validate themselves on construction and raise `SpecError` (a ValueError)
+whose message names the field, the value and the rule.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+
+
+class SpecError(ValueError):
+    """Bad user input: the message names the field and the reason (one line)."""
+
+    def __init__(self, field_name: str, reason: str):
+        self.field = field_name
+        self.reason = reason
+        super().__init__(f"{field_name}: {reason}")
+
+
+class Precision(enum.Enum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+    FP4 = "fp4"
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "precision") -> "Precision":
+        try:
+            return cls(str(text).strip().lower())
+        except ValueError:
+            raise SpecError(field_name, f"unknown precision {text!r}; choose one of "
+                            f"{', '.join(p.value for p in cls)}") from None
+
+
+class Recompute(enum.IntEnum):
+    """Activation recomputation policy (Korthikanti et al. 2022, sec. 4 and 5)."""
+    NONE = 0
+    SELECTIVE = 1   # recompute the attention core (softmax, dropout, QK^T, AV)
+    FULL = 2        # keep only each layer's input; recompute the whole layer forward in backward
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "recompute") -> "Recompute":
+        t = str(text).strip().lower()
+        for r in cls:
+            if r.name.lower() == t:
+                return r
+        raise SpecError(field_name, f"unknown recompute policy {text!r}; choose none, selective or full")
+
+
+def _positive(name: str, value, integer: bool = True) -> None:
+    if integer and (not isinstance(value, int) or isinstance(value, bool)):
+        raise SpecError(name, f"must be a positive integer, got {value!r}")
+    if value is None or value <= 0:
+        raise SpecError(name, f"must be positive, got {value!r}")
+
+
+def _non_negative(name: str, value) -> None:
+    if value is None or value < 0:
+        raise SpecError(name, f"must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer, dense or Mixture-of-Experts.
+
+    Symbols used by the cost model: L layers, h hidden, a heads, g KV heads, d head dim,
+    f FFN hidden, V vocab, E routed experts, k experts per token, f_e expert FFN hidden.
+    """
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    head_dim: int | None = None          # default h / a
+    gated_mlp: bool = True               # SwiGLU (3 matrices) vs GeLU / squared-ReLU (2 matrices)
+    tied_embeddings: bool = False
+    max_seq_len: int = 4096
+    # Mixture of Experts (num_experts == 0 means dense)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn_hidden_size: int = 0
+    num_shared_experts: int = 0
+    shared_expert_ffn_hidden_size: int = 0
+    first_k_dense_layers: int = 0
+    moe_layer_freq: int = 1              # every n-th layer (after the first dense ones) is MoE
+    # Multi-head latent attention (DeepSeek-V2/V3); 0 = standard (GQA) attention
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    source: str = ""
+
+    def __post_init__(self):
+        for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_kv_heads", "vocab_size", "max_seq_len"):
+            _positive(f, getattr(self, f))
+        if self.head_dim is not None:
+            _positive("head_dim", self.head_dim)
+        elif self.hidden_size % self.num_attention_heads:
+            raise SpecError("head_dim", f"hidden_size={self.hidden_size} is not divisible by "
+                            f"num_attention_heads={self.num_attention_heads}; give head_dim")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise SpecError("num_kv_heads", f"num_attention_heads={self.num_attention_heads} must be "
+                            f"a multiple of num_kv_heads={self.num_kv_heads}")
+        for f in ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts",
+                  "shared_expert_ffn_hidden_size", "first_k_dense_layers", "q_lora_rank",
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _non_negative(f, getattr(self, f))
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise SpecError("experts_per_token", f"must be in 1..num_experts={self.num_experts}, "
+                                f"got {self.experts_per_token}")
+            _positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+            if self.first_k_dense_layers >= self.num_layers:
+                raise SpecError("first_k_dense_layers", "must be smaller than num_layers")
+            _positive("moe_layer_freq", self.moe_layer_freq)
+        if self.kv_lora_rank and not (self.qk_nope_head_dim + self.qk_rope_head_dim and self.v_head_dim):
+            raise SpecError("qk_nope_head_dim", "multi-head latent attention needs qk_nope_head_dim, "
+                            "qk_rope_head_dim and v_head_dim")
+
+    # ---- derived sizes (plain Python ints; the JAX model gets them as floats) ----
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def head_dim_eff(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_moe_layers(self) -> int:
+        if not self.is_moe:
+            return 0
+        rest = self.num_layers - self.first_k_dense_layers
+        return (rest + self.moe_layer_freq - 1) // self.moe_layer_freq
+
+    def attention_params(self) -> int:
+        """Weights of one attention block (no biases, no norms)."""
+        h, a = self.hidden_size, self.num_attention_heads
+        if self.is_mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = (h * self.q_lora_rank + self.q_lora_rank * a * qk) if self.q_lora_rank else h * a * qk
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + \
+                self.kv_lora_rank * a * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + a * self.v_head_dim * h
+        d, g = self.head_dim_eff, self.num_kv_heads
+        return h * (a + 2 * g) * d + a * d * h
+
+    def mlp_params(self, ffn: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * ffn
+
+    def expert_params_per_layer(self) -> int:
+        """Routed-expert weights of one MoE layer (all experts)."""
+        return self.num_experts * self.mlp_params(self.moe_ffn_hidden_size)
+
+    def moe_dense_params_per_layer(self) -> int:
+        """Non-expert weights of an MoE layer's MLP part: shared experts + router."""
+        shared = self.num_shared_experts * self.mlp_params(
+            self.shared_expert_ffn_hidden_size or self.moe_ffn_hidden_size)
+        return shared + self.hidden_size * self.num_experts
+
+    def param_counts(self) -> dict:
+        """Total and active (per token) parameters, embeddings included."""
+        L, h, V = self.num_layers, self.hidden_size, self.vocab_size
+        n_moe = self.num_moe_layers
+        n_dense = L - n_moe
+        norms = 2 * h * L + h
+        emb = V * h * (1 if self.tied_embeddings else 2)
+        attn = self.attention_params() * L
+        dense_mlp = self.mlp_params(self.ffn_hidden_size) * n_dense
+        experts = self.expert_params_per_layer() * n_moe
+        moe_dense = self.moe_dense_params_per_layer() * n_moe
+        total = emb + attn + dense_mlp + experts + moe_dense + norms
+        active_experts = (self.experts_per_token * self.mlp_params(self.moe_ffn_hidden_size) * n_moe
+                          if self.is_moe else 0)
+        active = emb + attn + dense_mlp + active_experts + moe_dense + norms
+        return {"total": total, "active": active, "experts": experts, "embedding": emb}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """One accelerator and its usual node. Figures from the vendor datasheets (see presets)."""
+    name: str
+    peak_flops_bf16: float               # dense, FLOP/s
+    peak_flops_fp8: float = 0.0          # dense, FLOP/s; 0 = not supported
+    peak_flops_fp4: float = 0.0          # dense, FLOP/s; 0 = not supported
+    hbm_bytes: float = 80e9
+    hbm_bandwidth_bytes_per_s: float = 2e12
+    gpus_per_node: int = 8               # GPUs sharing one NVLink domain by default
+    intra_node_bw_bytes_per_s: float = 300e9   # per GPU per direction (NVLink)
+    inter_node_bw_bytes_per_s: float = 25e9    # per GPU per direction (NIC)
+    family: str = ""                     # calibration family, e.g. "ampere", "hopper"
+    source: str = ""
+
+    def __post_init__(self):
+        for f in ("peak_flops_bf16", "hbm_bytes", "hbm_bandwidth_bytes_per_s",
+                  "intra_node_bw_bytes_per_s", "inter_node_bw_bytes_per_s"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise SpecError(f, f"must be a positive number, got {v!r}")
+        _positive("gpus_per_node", self.gpus_per_node)
+
+    def peak_flops(self, precision: Precision) -> float:
+        if precision is Precision.FP8:
+            return self.peak_flops_fp8
+        if precision is Precision.FP4:
+            return self.peak_flops_fp4
+        return self.peak_flops_bf16
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """GPUs and a three-level topology: NVLink domain < fabric (one site) < wide-area link.
+
+    Groups are placed TP innermost, then CP, EP/DP, PP outermost (Megatron's rank order), so a
+    group's stride decides which levels it crosses.
+    """
+    gpu: GPUSpec
+    num_gpus: int
+    nvlink_domain_size: int              # GPUs sharing NVLink (8 for DGX, 72 for NVL72)
+    intra_node_bw_bytes_per_s: float
+    inter_node_bw_bytes_per_s: float
+    fabric_bw_factor: float = 1.0        # <1 for an oversubscribed fabric
+    num_sites: int = 1
+    wan_bw_bytes_per_s: float = 0.0      # per site, aggregate, per direction
+    wan_latency_s: float = 0.0
+    intra_node_latency_s: float = 3e-6   # NCCL-level per hop latency over NVLink
+    inter_node_latency_s: float = 8e-6   # per hop over InfiniBand / RoCE
+    name: str = ""
+
+    def __post_init__(self):
+        _positive("gpus", self.num_gpus)
+        _positive("nvlink_domain_size", self.nvlink_domain_size)
+        _positive("num_sites", self.num_sites)
+        for f in ("intra_node_bw_bytes_per_s", "inter_node_bw_bytes_per_s", "fabric_bw_factor"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise SpecError(f, f"must be a positive number, got {v!r}")
+        if self.num_gpus % self.num_sites:
+            raise SpecError("sites", f"gpus={self.num_gpus} does not split evenly over "
+                            f"{self.num_sites} sites")
+        if self.num_sites > 1:
+            if self.wan_bw_bytes_per_s <= 0:
+                raise SpecError("wan_bandwidth_gbps", "a multi-site cluster needs a positive WAN bandwidth")
+            if self.gpus_per_site % self.nvlink_domain_size:
+                raise SpecError("gpus_per_site", f"{self.gpus_per_site} GPUs per site is not a multiple "
+                                f"of the NVLink domain size {self.nvlink_domain_size}")
+
+    @property
+    def gpus_per_site(self) -> int:
+        return self.num_gpus // self.num_sites
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """The training job: what one optimizer step processes."""
+    global_batch: int                    # sequences per optimizer step
+    seq_len: int                         # tokens per sequence
+    precision: Precision = Precision.BF16
+
+    def __post_init__(self):
+        _positive("global_batch", self.global_batch)
+        _positive("seq_len", self.seq_len)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+def spec_dict(spec) -> dict:
+    """A JSON-ready dict of a spec (enums as their values, nested specs as dicts)."""
+    out = {}
+    for f in fields(spec):
+        v = getattr(spec, f.name)
+        if isinstance(v, enum.Enum):
+            v = v.value if not isinstance(v, enum.IntEnum) else v.name.lower()
+        elif hasattr(v, "__dataclass_fields__"):
+            v = spec_dict(v)
+        out[f.name] = v
+    return out

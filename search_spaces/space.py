@@ -1,0 +1,239 @@
+"""Which plans exist: knob domains, legality rules, and enumeration straight into arrays.
+
+One definition of each knob (`KNOBS`) and each rule (`RULES`) serves enumeration, the check of a
+single user-given plan, Optuna's distributions and the report columns. Rules follow Megatron-Core's
+argument checks (megatron/training/arguments.py, core/parallel_state.py): world size = tp*cp*pp*dp;
+tp divides heads and KV heads; pp*vpp stages hold at least one layer each; micro-batches are whole,
+>= pp, and a multiple of pp when interleaving; expert layers fold ep*etp into tp*cp*dp; cp splits
+the sequence into 2*cp chunks for load-balanced causal attention.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
+from costmodels.specs import ClusterSpec, JobSpec, ModelSpec, Recompute, SpecError
+
+POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+VPP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+MBS_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything that decides which plans are legal and how they score."""
+    model: ModelSpec
+    cluster: ClusterSpec
+    job: JobSpec
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    label: str                                   # report column header
+    domain: Callable[[Problem], tuple]           # candidate values before legality
+    fmt: Callable[[int], str] = str
+
+
+def _divisors(n: int, limit: int) -> tuple:
+    return tuple(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("tp", "TP", lambda p: tuple(x for x in POW2 if x <= min(p.cluster.num_gpus, p.model.num_attention_heads, 64))),
+    Knob("cp", "CP", lambda p: tuple(x for x in POW2 if x <= min(p.cluster.num_gpus, 64))),
+    Knob("pp", "PP", lambda p: _divisors(p.cluster.num_gpus, p.model.num_layers)),
+    Knob("dp", "DP", lambda p: _divisors(p.cluster.num_gpus, p.cluster.num_gpus)),   # derived
+    Knob("ep", "EP", lambda p: tuple(x for x in POW2 if x <= min(p.model.num_experts, p.cluster.num_gpus))
+         if p.model.is_moe else (1,)),
+    Knob("etp", "ETP", lambda p: tuple(x for x in POW2 if x <= min(64, p.cluster.num_gpus)) if p.model.is_moe else (1,)),
+    Knob("vpp", "VPP", lambda p: tuple(v for v in VPP_CHOICES if v <= p.model.num_layers)),
+    Knob("mbs", "MBS", lambda p: tuple(b for b in MBS_CHOICES if b <= p.job.global_batch)),
+    Knob("recompute", "Recompute", lambda p: tuple(int(r) for r in Recompute),
+         lambda v: Recompute(v).name.lower()),
+    Knob("sp", "SP", lambda p: (0, 1), lambda v: "on" if v else "off"),
+    Knob("zero", "ZeRO", lambda p: (0, 1, 2, 3)),
+)}
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    ok: Callable[[dict, Problem], np.ndarray]    # vectorized: arrays -> bool mask of legal rows
+    explain: Callable[[dict, Problem], str]      # message for one plan (arrays of length 1)
+
+
+def _v(a, k):
+    return int(np.asarray(a[k]).reshape(-1)[0])
+
+
+def _mb(a, p):
+    return p.job.global_batch // (a["dp"] * a["mbs"])
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("gpus", lambda a, p: a["tp"] * a["cp"] * a["pp"] * a["dp"] == p.cluster.num_gpus,
+         lambda a, p: f"tp*cp*pp*dp = {_v(a,'tp')}*{_v(a,'cp')}*{_v(a,'pp')}*{_v(a,'dp')} must equal "
+                      f"gpus={p.cluster.num_gpus}"),
+    Rule("tp_heads", lambda a, p: (p.model.num_attention_heads % a["tp"] == 0) & (p.model.num_kv_heads % a["tp"] == 0),
+         lambda a, p: f"tp={_v(a,'tp')} must divide num_attention_heads={p.model.num_attention_heads} and "
+                      f"num_kv_heads={p.model.num_kv_heads}"),
+    Rule("cp_seq", lambda a, p: (a["cp"] == 1) | (p.job.seq_len % (2 * a["cp"]) == 0),
+         lambda a, p: f"cp={_v(a,'cp')}: seq_len={p.job.seq_len} must divide by 2*cp={2*_v(a,'cp')} "
+                      f"(load-balanced causal chunks)"),
+    Rule("pp_layers", lambda a, p: a["pp"] * a["vpp"] <= p.model.num_layers,
+         lambda a, p: f"pp*vpp = {_v(a,'pp')*_v(a,'vpp')} stages exceed num_layers={p.model.num_layers}"),
+    Rule("vpp_needs_pp", lambda a, p: (a["vpp"] == 1) | (a["pp"] >= 2),
+         lambda a, p: f"vpp={_v(a,'vpp')} (interleaved schedule) needs pp >= 2"),
+    Rule("batch_divisible", lambda a, p: p.job.global_batch % (a["dp"] * a["mbs"]) == 0,
+         lambda a, p: f"global_batch={p.job.global_batch} must divide by dp*mbs = {_v(a,'dp')}*{_v(a,'mbs')}"),
+    Rule("microbatches_ge_pp", lambda a, p: _mb(a, p) >= a["pp"],
+         lambda a, p: f"{_v({'m': _mb(a, p)}, 'm')} micro-batches per step (global_batch/(dp*mbs)) must be "
+                      f">= pp={_v(a,'pp')}"),
+    Rule("interleave_microbatches", lambda a, p: (a["vpp"] == 1) | (_mb(a, p) % a["pp"] == 0),
+         lambda a, p: f"with vpp={_v(a,'vpp')} the micro-batch count {_v({'m': _mb(a, p)}, 'm')} must be a "
+                      f"multiple of pp={_v(a,'pp')}"),
+    Rule("sp_needs_tp", lambda a, p: (a["sp"] == 0) | (a["tp"] > 1),
+         lambda a, p: "sp=true needs tp > 1"),
+    Rule("moe_tp_needs_sp", lambda a, p: (not p.model.is_moe) | (a["tp"] == 1) | (a["sp"] == 1),
+         lambda a, p: f"MoE layers with tp={_v(a,'tp')} > 1 need sp=true (Megatron-Core rule)"),
+    Rule("zero_needs_dp", lambda a, p: (a["zero"] == 0) | (a["dp"] * a["cp"] > 1),
+         lambda a, p: f"zero={_v(a,'zero')} shards over dp*cp = 1: use zero=0"),
+    Rule("zero23_no_pp", lambda a, p: (a["zero"] < 2) | (a["pp"] == 1),
+         lambda a, p: f"zero={_v(a,'zero')} (gradient/parameter sharding) cannot be combined with pp={_v(a,'pp')} > 1"),
+    Rule("ep_experts", lambda a, p: (a["ep"] == 1) | ((p.model.num_experts > 0)
+                                                     & (p.model.num_experts % np.maximum(a["ep"], 1) == 0)),
+         lambda a, p: (f"ep={_v(a,'ep')} must divide the number of experts {p.model.num_experts}" if p.model.is_moe
+                       else f"ep={_v(a,'ep')} needs a Mixture-of-Experts model ({p.model.name} is dense)")),
+    Rule("ep_fold", lambda a, p: (a["tp"] * a["cp"] * a["dp"]) % (a["ep"] * a["etp"]) == 0,
+         lambda a, p: f"ep*etp = {_v(a,'ep')*_v(a,'etp')} must divide tp*cp*dp = "
+                      f"{_v(a,'tp')*_v(a,'cp')*_v(a,'dp')} (MoE parallel folding)"),
+    Rule("etp_ffn", lambda a, p: (a["etp"] == 1) | ((p.model.num_experts > 0)
+                                                & (max(p.model.moe_ffn_hidden_size, 1) % np.maximum(a["etp"], 1) == 0)),
+         lambda a, p: (f"etp={_v(a,'etp')} must divide the expert FFN size {p.model.moe_ffn_hidden_size}"
+                       if p.model.is_moe else f"etp={_v(a,'etp')} needs a Mixture-of-Experts model")),
+)
+
+
+def check_rows(arrays: dict, problem: Problem) -> tuple[np.ndarray, dict]:
+    """Legal mask and, for illegal rows, the first rule each breaks (counted by rule name)."""
+    n = len(arrays["tp"])
+    legal = np.ones(n, dtype=bool)
+    counts: dict = {}
+    for rule in RULES:
+        ok = np.broadcast_to(np.asarray(rule.ok(arrays, problem), dtype=bool), (n,))
+        newly_bad = legal & ~ok
+        c = int(newly_bad.sum())
+        if c:
+            counts[rule.name] = counts.get(rule.name, 0) + c
+        legal &= ok
+    return legal, counts
+
+
+def check_plan(plan: Plan, problem: Problem) -> None:
+    """Raise SpecError naming the first rule a single plan breaks."""
+    arrays = {f: np.array([int(getattr(plan, f))], dtype=np.int64) for f in PLAN_FIELDS}
+    for rule in RULES:
+        if not bool(np.asarray(rule.ok(arrays, problem)).reshape(-1)[0]):
+            raise SpecError(f"plan ({rule.name})", rule.explain(arrays, problem))
+
+
+def complete_plan(values: dict, problem: Problem) -> Plan:
+    """A Plan from user-given knobs; dp is derived from the GPU count when omitted."""
+    v = dict(values)
+    if "dp" not in v:
+        denom = v.get("tp", 1) * v.get("cp", 1) * v.get("pp", 1)
+        if problem.cluster.num_gpus % denom:
+            raise SpecError("plan (gpus)", f"tp*cp*pp = {denom} does not divide gpus={problem.cluster.num_gpus}")
+        v["dp"] = problem.cluster.num_gpus // denom
+    if problem.model.is_moe and "sp" not in v and v.get("tp", 1) > 1:
+        v["sp"] = True
+    return Plan(**v)
+
+
+# ------------------------------- enumeration -------------------------------
+
+@dataclass
+class SpaceStats:
+    total: int = 0          # raw combinations of the knob domains (dp derived)
+    legal: int = 0
+    illegal: dict = None    # rule name -> count
+
+    def as_dict(self) -> dict:
+        return {"total": self.total, "legal": self.legal, "illegal": dict(sorted((self.illegal or {}).items()))}
+
+
+def domains(problem: Problem, fixed: dict | None = None) -> dict:
+    """Candidate values per knob (dp excluded: it is derived). `fixed` pins knobs to one value."""
+    fixed = fixed or {}
+    out = {}
+    for name, knob in KNOBS.items():
+        if name == "dp":
+            continue
+        out[name] = (int(fixed[name]),) if name in fixed else tuple(int(x) for x in knob.domain(problem))
+    return out
+
+
+def _grid(values: dict) -> dict:
+    names = list(values)
+    mesh = np.meshgrid(*[np.asarray(values[k], dtype=np.int64) for k in names], indexing="ij")
+    return {k: m.reshape(-1) for k, m in zip(names, mesh)}
+
+
+def enumerate_legal(problem: Problem, fixed: dict | None = None,
+                    chunk_rows: int = 1 << 20) -> tuple[Iterator[PlanBatch], SpaceStats]:
+    """Legal plans as a stream of PlanBatch chunks, and the space statistics (filled while streaming).
+
+    The grid is split into an outer "mesh" (tp, cp, pp, ep, etp) and an inner part (vpp, mbs,
+    recompute, sp, zero); rules run as numpy masks over whole blocks, never per plan.
+    """
+    fixed = dict(fixed or {})
+    dom = domains(problem, fixed)
+    N = problem.cluster.num_gpus
+    stats = SpaceStats(illegal={})
+    outer_keys = ("tp", "cp", "pp", "ep", "etp")
+    inner_keys = ("vpp", "mbs", "recompute", "sp", "zero")
+    inner = _grid({k: dom[k] for k in inner_keys})
+    n_inner = len(inner["vpp"])
+    outer = _grid({k: dom[k] for k in outer_keys})
+    n_outer = len(outer["tp"])
+    stats.total = n_outer * n_inner
+    # dp derived from the GPU count; a mesh whose tp*cp*pp does not divide it is illegal ("gpus")
+    prod = outer["tp"] * outer["cp"] * outer["pp"]
+    outer["dp"] = np.where(N % prod == 0, N // np.maximum(prod, 1), 0)
+    if "dp" in fixed:
+        outer["dp"] = np.where(outer["dp"] == int(fixed["dp"]), outer["dp"], 0)
+    bad_gpus = outer["dp"] == 0
+    stats.illegal["gpus"] = int(bad_gpus.sum()) * n_inner
+    keep = {k: v[~bad_gpus] for k, v in outer.items()}
+
+    def stream() -> Iterator[PlanBatch]:
+        n_keep = len(keep["tp"])
+        per_block = max(1, chunk_rows // max(n_inner, 1))
+        for start in range(0, n_keep, per_block):
+            sl = slice(start, min(start + per_block, n_keep))
+            nb = sl.stop - sl.start
+            arrays = {k: np.repeat(v[sl], n_inner) for k, v in keep.items()}
+            arrays.update({k: np.tile(v, nb) for k, v in inner.items()})
+            legal, counts = check_rows(arrays, problem)
+            for k, c in counts.items():
+                stats.illegal[k] = stats.illegal.get(k, 0) + c
+            n_legal = int(legal.sum())
+            stats.legal += n_legal
+            if n_legal:
+                yield PlanBatch({f: arrays[f][legal].astype(np.int32) for f in PLAN_FIELDS})
+        if not stats.illegal.get("gpus"):
+            stats.illegal.pop("gpus", None)
+
+    return stream(), stats
+
+
+def count_legal(problem: Problem, fixed: dict | None = None) -> SpaceStats:
+    it, stats = enumerate_legal(problem, fixed)
+    for _ in it:
+        pass
+    return stats
