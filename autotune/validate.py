@@ -9,7 +9,7 @@ that framework would have picked, and says which knobs it filled.
 from __future__ import annotations
 
 import json
-import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,8 +86,29 @@ class RowCase:
     measured_tokens_per_s_per_gpu: float | None
 
 
+_YEAR = re.compile(r"\b(20[0-4]\d)\b")
+
+
+def framework_uses_flash_attention(row: dict) -> bool:
+    """The framework default the run would have had (the README asks for framework defaults):
+    FlashAttention appeared in 2022 and Megatron-Core/NeMo use fused attention since; Megatron-LM
+    before 2022 had none, and Megatron-DeepSpeed leaves it off unless --use-flash-attn is given."""
+    src = row.get("source") or {}
+    text = f"{src.get('title', '')} {row.get('notes', '')}"
+    if "megatron-deepspeed" in text.lower():
+        return False
+    years = [int(y) for y in _YEAR.findall(str(src.get("title", "")))]
+    return not (years and max(years) < 2022)
+
+
+_LORA = re.compile(r"\blora\b", re.IGNORECASE)
+
+
 def case_from_row(row: dict) -> RowCase:
     hw, plan, m = row.get("hardware") or {}, row.get("plan") or {}, row.get("model") or {}
+    if _LORA.search(f"{row.get('id', '')} {row.get('notes', '')}"):
+        raise SpecError("training", "parameter-efficient fine-tuning (LoRA) is not modeled yet: frozen "
+                        "base weights skip weight gradients and optimizer states")
     gpu_key = hw.get("gpu_key")
     if gpu_key not in GPU_PRESETS:
         raise SpecError("hardware.gpu_key", f"unknown GPU {gpu_key!r}")
@@ -104,7 +125,8 @@ def case_from_row(row: dict) -> RowCase:
         raise SpecError("hardware.num_gpus", "not given")
     cluster = build_cluster(gpu=gpu_key, num_gpus=int(n),
                             gpus_per_node=int(hw["gpus_per_node"]) if hw.get("gpus_per_node") else None)
-    job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision)
+    job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision,
+                  flash_attention=framework_uses_flash_attention(row))
     fixed, filled = {}, []
     for knob, key in _KNOWN_PLAN.items():
         val = plan.get(key)

@@ -92,7 +92,14 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     heads_local = a / tp
     attn_flops = 2.0 * T * (s / 2.0) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
     attn_eff = e.attn_eff_max * _sat(s / cp, e.attn_seq_half)
-    t_attn_core = attn_flops / (H["peak_bf16"] * attn_eff)
+    t_flash = attn_flops / (H["peak_bf16"] * attn_eff)
+    # unfused attention (pre-2022 Megatron, Megatron-DeepSpeed default): the full s x s score
+    # matrix is computed (no causal skipping) by batched GEMMs and run through memory-bound
+    # scale/mask/softmax/dropout kernels [K22 sec 4.1: 5 bytes of stored scores per element]
+    scores = T * s * heads_local
+    t_unfused = (2.0 * attn_flops / (H["peak_bf16"] * e.gemm_eff_max * _sat(M["qk_head_dim"], e.gemm_dim_half))
+                 + scores * e.softmax_bytes_per_score / (hbm * e.hbm_eff))
+    t_attn_core = jnp.where(J["flash"] > 0, t_flash, t_unfused)
 
     f = M["ffn"]
     t_mlp_dense = gemm(T, f * (1.0 + g_mlp) / tp, h) + gemm(T, h, f / tp)
@@ -115,6 +122,11 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     t_elem_dense = T * f / tp * e.elementwise_bytes_f / bw_hbm
     t_elem_moe = (routed_tok * fe * e.elementwise_bytes_f + T / tp * sf * e.elementwise_bytes_f
                   + 4.0 * routed_tok * h * 2.0 + T / tp * M["experts"] * 4.0 * 2.0) / bw_hbm
+    # fp8/fp4 GEMMs need their inputs cast (and transposed for wgrad) with amax bookkeeping:
+    # memory-bound traffic per element of every GEMM input (Transformer Engine cast-transpose)
+    t_elem_attn = t_elem_attn + J["low_precision"] * e.lp_cast_bytes * (T_elem * h + T * M["attn_out_k"] / tp) / bw_hbm
+    t_elem_dense = t_elem_dense + J["low_precision"] * e.lp_cast_bytes * (T_elem * h + T * f / tp) / bw_hbm
+    t_elem_moe = t_elem_moe + J["low_precision"] * e.lp_cast_bytes * (2.0 * routed_tok * h + routed_tok * fe) / bw_hbm
     kern = e.kernels_per_layer * e.kernel_overhead_s
     kern_moe = kern + 10.0 * e.kernel_overhead_s                  # router, top-k, (un)permute, a2a prep
 
@@ -212,8 +224,10 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     dp_z12 = exposed(rs, win_b) + exposed(ag, win_f)
     # ZeRO-3: gather params for forward and backward and reduce-scatter grads every micro-batch,
     # layer by layer (many smaller collectives competing with compute for SMs: zero3_bw_eff)
+    # with prefetch they hide under the whole step's compute, except the first gather and the
+    # last reduce-scatter, which have nothing to overlap with (about two layers' worth)
     t_z3 = m * (2.0 * ag + rs) / e.zero3_bw_eff
-    dp_z3 = exposed(t_z3, m * (c_stage + r_stage))
+    dp_z3 = jnp.maximum(t_z3 - m * (c_stage + r_stage), 2.0 * t_z3 / (m * n_stage))
     dp_comm = z0 * dp_z0 + z12 * dp_z12 + z3 * dp_z3
 
     # ---------------- optimizer (memory bound Adam step) ----------------
@@ -260,7 +274,9 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
         + 2.0 * M["experts"]
     act_none = 2.0 * T * (repl / jnp.where(sp > 0, tp, 1.0) + sh_attn / tp
                           + frac_dense * sh_dense / tp + frac_moe * moe_tok / tp)
+    act_scores = (1.0 - J["flash"]) * 5.0 * T * s * heads_local          # K22 table 2: 5as/h term
     act_sel = act_none - 2.0 * T / tp * (frac_dense * f + frac_moe * M["top_k"] * fe * e.moe_imbalance)
+    act_none = act_none + act_scores
     act_full = 2.0 * T * h / jnp.where(sp > 0, tp, 1.0)
     act_layer = rec_full * act_full + rec_sel * act_sel + (1.0 - rec_full - rec_sel) * act_none
     working = rec_full * act_none                                 # one layer re-materialized in backward

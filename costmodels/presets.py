@@ -29,6 +29,7 @@ CLUSTER_DIR = PRESET_DIR / "clusters"
 
 TERA = 1e12
 GIGA = 1e9
+GIBI = 2.0 ** 30   # HBM capacities are printed in GB but are binary: an "80 GB" H100 shows 81,559 MiB
 MICRO = 1e-6
 MILLI = 1e-3
 
@@ -79,7 +80,7 @@ _GPU_FILE_FIELDS = {
     "peak_flops_bf16": ("bf16_tflops", TERA),
     "peak_flops_fp8": ("fp8_tflops", TERA),
     "peak_flops_fp4": ("fp4_tflops", TERA),
-    "hbm_bytes": ("hbm_gb", GIGA),
+    "hbm_bytes": ("hbm_gb", GIBI),
     "hbm_bandwidth_bytes_per_s": ("hbm_tbps", TERA),
     "intra_node_bw_bytes_per_s": ("nvlink_gbps", GIGA),
     "inter_node_bw_bytes_per_s": ("nic_gbps", GIGA),

@@ -266,6 +266,7 @@ class JobSpec:
     global_batch: int                    # sequences per optimizer step
     seq_len: int                         # tokens per sequence
     precision: Precision = Precision.BF16
+    flash_attention: bool = True         # fused (FlashAttention) vs unfused softmax attention
 
     def __post_init__(self):
         _positive("global_batch", self.global_batch)

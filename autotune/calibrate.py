@@ -1,0 +1,174 @@
+"""Fit the cost model's efficiency parameters to measured runs by gradient descent through it.
+
+Each parameter lives in its physical range by construction: p = lo + (hi - lo) * sigmoid(z), and
+Adam runs on z. The loss is the mean squared log error of the step time, so a 10% miss counts
+the same on a 0.2 s and a 60 s step. Plans with unknown knobs are re-chosen (best over the
+unknowns, as in validation) between rounds, since the best choice depends on the parameters.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from costmodels import model as cm
+from costmodels.encode import encode_cluster, encode_job, encode_model, stack_inputs
+from costmodels.params import PARAM_BOUNDS, EfficiencyParams
+from costmodels.plan import PLAN_FIELDS
+from costmodels.specs import SpecError
+
+from .search import NoLegalPlan, NothingFits, exhaustive
+from .validate import case_from_row
+
+#: parameters fitted by default: the time model's efficiencies and overheads (memory constants are
+#: not observable from throughput, so they stay at their documented values)
+DEFAULT_FIT = (
+    "gemm_eff_max", "gemm_eff_max_fp8", "gemm_dim_half", "attn_eff_max", "hbm_eff",
+    "kernel_overhead_s", "intra_bw_eff", "inter_bw_eff", "dp_overlap", "tp_comm_overlap",
+    "pp_overlap", "step_overhead_s", "microbatch_overhead_s", "collective_latency_s", "zero3_bw_eff",
+    "moe_imbalance", "ep_overlap", "elementwise_bytes_h", "elementwise_bytes_f", "lp_cast_bytes",
+    "softmax_bytes_per_score",
+)
+
+
+@dataclass
+class FitCase:
+    id: str
+    group: str
+    plan: dict
+    model: dict
+    hw: dict
+    job: dict
+    measured_step_s: float
+
+
+def measured_step_s(row: dict, case) -> float | None:
+    meas = (row.get("measured") or {})
+    tok = meas.get("tokens_per_s_per_gpu")
+    if tok:
+        return case.problem.job.tokens_per_step / (float(tok) * case.problem.cluster.num_gpus)
+    if meas.get("iteration_time_s"):
+        return float(meas["iteration_time_s"])
+    return None
+
+
+def build_cases(rows: list, params: EfficiencyParams, only_usable: bool = True) -> list[FitCase]:
+    """Rows -> fit cases with their plan chosen as the best over unknown knobs (rows that cannot be
+    expressed, or have no measurement, are left out)."""
+    cases = []
+    for row in rows:
+        if only_usable and not row.get("usable", True):
+            continue
+        try:
+            case = case_from_row(row)
+        except (SpecError, ValueError, KeyError, TypeError):
+            continue
+        step = measured_step_s(row, case)
+        if not step:
+            continue
+        try:
+            best = exhaustive(case.problem, params, top_k=1, fixed=case.fixed).best
+        except NothingFits as exc:
+            best = exc.closest
+        except NoLegalPlan:
+            continue
+        plan = {k: best["plan"][k] for k in PLAN_FIELDS}
+        plan["recompute"] = {"none": 0, "selective": 1, "full": 2}[plan["recompute"]]
+        plan["sp"] = int(plan["sp"])
+        inp_job = encode_job(case.problem.job, case.problem.cluster)
+        cases.append(FitCase(id=case.id, group=(row.get("source") or {}).get("group") or "?", plan=plan,
+                             model=encode_model(case.problem.model), hw=encode_cluster(case.problem.cluster),
+                             job=inp_job, measured_step_s=step))
+    return cases
+
+
+def _stack(cases: list[FitCase]):
+    plans = {f: np.array([c.plan[f] for c in cases], dtype=np.int32) for f in PLAN_FIELDS}
+    return (plans, stack_inputs([c.model for c in cases]), stack_inputs([c.hw for c in cases]),
+            stack_inputs([c.job for c in cases]), np.array([c.measured_step_s for c in cases], np.float32))
+
+
+def _to_z(params: EfficiencyParams, names) -> jnp.ndarray:
+    zs = []
+    for n in names:
+        lo, hi = PARAM_BOUNDS[n]
+        u = (getattr(params, n) - lo) / (hi - lo)
+        u = min(max(u, 1e-4), 1 - 1e-4)
+        zs.append(math.log(u / (1 - u)))
+    return jnp.array(zs, dtype=jnp.float32)
+
+
+def _from_z(z, base: EfficiencyParams, names) -> EfficiencyParams:
+    vals = {}
+    for i, n in enumerate(names):
+        lo, hi = PARAM_BOUNDS[n]
+        vals[n] = lo + (hi - lo) * jax.nn.sigmoid(z[i])
+    return base._replace(**vals)
+
+
+def predict_steps(cases: list[FitCase], params: EfficiencyParams) -> np.ndarray:
+    plans, m, hw, job, _ = _stack(cases)
+    return np.asarray(cm.evaluate_jit(plans, m, hw, job, params)["step_time_s"])
+
+
+def mape_pct(cases: list[FitCase], params: EfficiencyParams) -> float:
+    """Mean absolute percentage error of tokens/s (= of 1/step time)."""
+    if not cases:
+        return float("nan")
+    pred = predict_steps(cases, params)
+    meas = np.array([c.measured_step_s for c in cases])
+    return float(np.mean(np.abs(meas / pred - 1.0)) * 100.0)
+
+
+def fit(cases: list[FitCase], params: EfficiencyParams, names=DEFAULT_FIT, *, steps: int = 400,
+        lr: float = 0.05, weights: np.ndarray | None = None, prior: float = 1e-3) -> EfficiencyParams:
+    """Adam on the sigmoid-reparametrized parameters, minimizing weighted mean squared log error
+    plus a small pull towards the starting values (keeps unidentifiable parameters put)."""
+    names = tuple(names)
+    plans, m, hw, job, meas = _stack(cases)
+    w = jnp.asarray(weights if weights is not None else np.ones(len(cases)), dtype=jnp.float32)
+    w = w / jnp.sum(w)
+    z0 = _to_z(params, names)
+
+    def loss(z):
+        p = _from_z(z, params, names)
+        pred = cm.evaluate(plans, m, hw, job, p)["step_time_s"]
+        r = jnp.log(pred) - jnp.log(meas)
+        return jnp.sum(w * r * r) + prior * jnp.sum((z - z0) ** 2)
+
+    vg = jax.jit(jax.value_and_grad(loss))
+    z = z0
+    mom = jnp.zeros_like(z)
+    vel = jnp.zeros_like(z)
+    b1, b2 = 0.9, 0.999
+    for t in range(1, steps + 1):
+        _, g = vg(z)
+        g = jnp.nan_to_num(g)
+        mom = b1 * mom + (1 - b1) * g
+        vel = b2 * vel + (1 - b2) * g * g
+        z = z - lr * (mom / (1 - b1 ** t)) / (jnp.sqrt(vel / (1 - b2 ** t)) + 1e-8)
+    fitted = _from_z(z, params, names)
+    return EfficiencyParams(*(float(v) for v in fitted))
+
+
+def group_weights(cases: list[FitCase]) -> np.ndarray:
+    """Each source group counts equally, whatever its number of rows."""
+    groups = [c.group for c in cases]
+    counts = {g: groups.count(g) for g in set(groups)}
+    return np.array([1.0 / counts[g] for g in groups])
+
+
+def calibrate(rows: list, params: EfficiencyParams | None = None, *, names=DEFAULT_FIT, rounds: int = 2,
+              steps: int = 400, lr: float = 0.05) -> tuple[EfficiencyParams, list[FitCase]]:
+    """Alternate: choose plans for unknown knobs under the current parameters, then fit."""
+    params = params or EfficiencyParams()
+    cases = []
+    for _ in range(rounds):
+        cases = build_cases(rows, params)
+        if not cases:
+            raise SpecError("measurements", "no run could be expressed and measured; nothing to fit")
+        params = fit(cases, params, names, steps=steps, lr=lr, weights=group_weights(cases))
+    return params, build_cases(rows, params)

@@ -1,0 +1,383 @@
+"""The `autotune` command line: a thin shell over `autotune.api` (STYLE.md point 10).
+
+Each command calls one Python API function and renders what it returns: rich tables for people,
+the API's own dicts as JSON (`--json`) for scripts. Nothing here computes a cost.
+
+Exit codes (the contract of issue 2):
+    0  a plan was found / scored and fits / the validation file was read
+    2  bad input: one line `error: <field>: <reason>` on stderr, never a traceback
+    3  legal plans exist but none fits in memory (the message names the limit and the closest plan)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated, Any, Optional, Sequence
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+from typer import _click as click
+from typer.core import TyperGroup
+from typer.exceptions import Abort
+
+from autotune import __version__, api
+from autotune.report import TIME_LABELS, plan_text, problem_dict, save_report, search_report
+from autotune.search import NothingFits
+from autotune.validate import load_runs, validate_rows
+from costmodels.specs import SpecError
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 2, 3
+
+#: Set to 1 to see the traceback of a ValueError that is not a SpecError (a bug, not bad input).
+DEBUG_ENV = "AUTOTUNE_DEBUG"
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: one line on stderr, a fixed exit code
+# ---------------------------------------------------------------------------------------------
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _error_line(message: str) -> None:
+    sys.stderr.write(f"error: {_one_line(message)}\n")
+    sys.stderr.flush()
+
+
+class _OneLineErrors(TyperGroup):
+    """The root group: usage errors and SpecErrors become one `error:` line and exit code 2.
+
+    Overriding `main` (not wrapping the app) keeps `cli.main:app` as the console script and makes
+    `typer.testing.CliRunner` see exactly what a user sees.
+    """
+
+    def main(self, args: Optional[Sequence[str]] = None, prog_name: Optional[str] = None,
+             complete_var: Optional[str] = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:      # bare `autotune`: show the help
+            sys.stdout.write(exc.ctx.get_help() + "\n")
+            rv = EXIT_OK
+        except click.exceptions.ClickException as exc:          # missing option, bad int, ...
+            _error_line(exc.format_message())
+            rv = EXIT_BAD_INPUT
+        except Abort:
+            _error_line("aborted")
+            rv = 1
+        except ValueError as exc:                               # SpecError and bad files
+            if os.environ.get(DEBUG_ENV) and not isinstance(exc, SpecError):
+                raise
+            _error_line(str(exc))
+            rv = EXIT_BAD_INPUT
+        code = rv if isinstance(rv, int) else EXIT_OK
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+app = typer.Typer(
+    name="autotune",
+    cls=_OneLineErrors,
+    help="Parallelism auto-tuner for large-model training: score every legal plan with a "
+         "vectorized cost model and pick the fastest that fits.",
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    rich_markup_mode=None,
+    no_args_is_help=True,
+)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"autotune {__version__}\n")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Parallelism auto-tuner for large-model training."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared options (search and predict describe the same problem)
+# ---------------------------------------------------------------------------------------------
+
+ModelOpt = Annotated[str, typer.Option("--model", help="Model preset name or path to a Hugging Face config.json.")]
+GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU preset (a100-80gb, h100, b200, ...).")]
+GpusOpt = Annotated[Optional[int], typer.Option("--gpus", help="Number of GPUs.")]
+GlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="Global batch in sequences.")]
+SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Sequence length in tokens.")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16, fp16, fp8 or fp4.")]
+GpusPerNodeOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", help="GPUs per NVLink domain.")]
+IntraBwOpt = Annotated[Optional[float], typer.Option("--intra-node-bw", help="Intra-node GB/s per GPU per direction.")]
+InterBwOpt = Annotated[Optional[float], typer.Option("--inter-node-bw", help="Inter-node GB/s per GPU per direction.")]
+ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", help="Cluster file (YAML or JSON) or a shipped cluster name.")]
+MemLimitOpt = Annotated[Optional[float], typer.Option("--memory-limit-gb", help="Usable memory per GPU in GB (default: the GPU's).")]
+CalibrationOpt = Annotated[Optional[str], typer.Option("--calibration", help="Efficiency-parameter file (default: shipped defaults).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout and nothing else.")]
+
+
+def _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
+             inter_node_bw, cluster):
+    return api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
+                             precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
+                             inter_node_bw=inter_node_bw, cluster_file=cluster)
+
+
+def _check_memory_limit(memory_limit_gb: Optional[float]) -> None:
+    # The API reads 0 as "use the GPU's memory"; a limit the user typed must be a positive size.
+    if memory_limit_gb is not None and not memory_limit_gb > 0:
+        raise SpecError("memory_limit_gb", f"must be a positive number of GB, got {memory_limit_gb!r}")
+
+
+def _stdout_console() -> Console:
+    console = Console(highlight=False)
+    if not console.is_terminal:            # pipes and logs: do not squeeze the wide plan table
+        console = Console(highlight=False, width=max(console.width, 200))
+    return console
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+class _Spinner:
+    """A status spinner on stderr, only when stderr is a terminal (never in --json mode)."""
+
+    def __init__(self, message: str, enabled: bool):
+        err = Console(stderr=True)
+        self._status = err.status(message) if enabled and err.is_terminal else None
+
+    def __enter__(self):
+        if self._status is not None:
+            self._status.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._status is not None:
+            self._status.__exit__(*exc)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------
+
+def _gb(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def _plans_table(reports: list) -> Table:
+    table = Table(title="Best plans", title_justify="left")
+    for col in ("#", "TP", "PP", "DP", "CP", "EP", "VPP", "MBS", "recompute", "SP", "ZeRO", "step (s)",
+                "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "mem GB", "fits"):
+        table.add_column(col, justify="left" if col in ("recompute", "SP", "fits") else "right")
+    for i, r in enumerate(reports, 1):
+        p = r["plan"]
+        table.add_row(str(i), str(p["tp"]), str(p["pp"]), str(p["dp"]), str(p["cp"]), str(p["ep"]),
+                      str(p["vpp"]), str(p["mbs"]), str(p["recompute"]), "on" if p["sp"] else "off",
+                      str(p["zero"]), f"{r['step_time_s']:.3f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
+                      f"{r['model_tflops_per_gpu']:.0f}", f"{r['mfu']:.1%}", _gb(r["memory_gb"]["total"]),
+                      "yes" if r["fits"] else "no")
+    return table
+
+
+def _space_line(space: dict, elapsed_s: float) -> str:
+    illegal = space.get("illegal") or {}
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(illegal.items(), key=lambda kv: -kv[1]))
+    n_illegal = sum(illegal.values())
+    return (f"Space: {space['total']} combinations, {space['legal']} legal, {n_illegal} illegal"
+            f"{f' ({reasons})' if reasons else ''}, {space['fitting']} fit in memory, "
+            f"{space['scored']} scored in {elapsed_s:.2f} s.")
+
+
+def _over_limit_line(rep: dict) -> str:
+    mem = rep["memory_gb"]
+    terms = sorted(((k, mem[k]) for k in ("weights", "gradients", "optimizer", "activations", "other")),
+                   key=lambda kv: -kv[1])
+    largest = ", ".join(f"{k} {v:.1f} GB" for k, v in terms[:3])
+    return (f"memory: the plan needs {mem['total']:.1f} GB per GPU, {mem['total'] - mem['limit']:.1f} GB "
+            f"over the {mem['limit']:.1f} GB limit (largest: {largest})")
+
+
+def _time_table(rep: dict) -> Table:
+    step = rep["step_time_s"]
+    table = Table(title="Time per step", title_justify="left")
+    table.add_column("term")
+    table.add_column("seconds", justify="right")
+    table.add_column("share", justify="right")
+    for k, v in rep["time_breakdown_s"].items():
+        table.add_row(TIME_LABELS.get(k, k), f"{v:.4f}", f"{v / step:.1%}" if step > 0 else "-")
+    table.add_row("step", f"{step:.4f}", "100.0%", style="bold")
+    return table
+
+
+def _memory_table(rep: dict) -> Table:
+    mem = rep["memory_gb"]
+    table = Table(title="Peak memory per GPU", title_justify="left")
+    table.add_column("term")
+    table.add_column("GB", justify="right")
+    table.add_column("share", justify="right")
+    for k in ("weights", "gradients", "optimizer", "activations", "other"):
+        table.add_row(k, f"{mem[k]:.2f}", f"{mem[k] / mem['total']:.1%}" if mem["total"] > 0 else "-")
+    table.add_row("total", f"{mem['total']:.2f}", "100.0%", style="bold")
+    table.add_row("limit", f"{mem['limit']:.2f}", "")
+    return table
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1f}%"
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------------
+
+@app.command()
+def search(
+    model: ModelOpt,
+    gpu: GpuOpt = None,
+    gpus: GpusOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    seq_len: SeqLenOpt = None,
+    precision: PrecisionOpt = "bf16",
+    gpus_per_node: GpusPerNodeOpt = None,
+    intra_node_bw: IntraBwOpt = None,
+    inter_node_bw: InterBwOpt = None,
+    cluster: ClusterOpt = None,
+    strategy: Annotated[str, typer.Option("--strategy", help="Search strategy: exhaustive.")] = "exhaustive",
+    top: Annotated[int, typer.Option("--top", min=1, help="How many plans to list.")] = 10,
+    memory_limit_gb: MemLimitOpt = None,
+    out: Annotated[str, typer.Option("--out", help="Folder for the JSON + Markdown report.")] = "results",
+    no_save: Annotated[bool, typer.Option("--no-save", help="Do not write the report.")] = False,
+    as_json: JsonOpt = False,
+    calibration: CalibrationOpt = None,
+) -> int:
+    """Score every legal plan and show the fastest that fit in memory."""
+    _check_memory_limit(memory_limit_gb)
+    problem = _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
+                       inter_node_bw, cluster)
+    params, params_source = api.load_params(calibration)
+    try:
+        with _Spinner("Scoring every legal plan...", enabled=not as_json):
+            result = api.search(problem, strategy=strategy, top_k=top, memory_limit_gb=memory_limit_gb,
+                                params=params)
+    except NothingFits as exc:
+        if as_json:
+            _print_json({"error": str(exc), "closest": exc.closest, "space": exc.space})
+        _error_line(str(exc))
+        return EXIT_NOTHING_FITS
+    report = search_report(result, params_source)
+    saved = None
+    if not no_save:
+        try:
+            saved = save_report(report, out)
+        except OSError as exc:
+            raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
+    if as_json:
+        _print_json(report)
+        return EXIT_OK
+    con = _stdout_console()
+    con.print(_plans_table(report["top"]))
+    con.print()
+    con.print(Text(report["explanation"]))
+    con.print()
+    con.print(Text(_space_line(report["space"], report["elapsed_s"])))
+    con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved (--no-save)."))
+    return EXIT_OK
+
+
+@app.command()
+def predict(
+    model: ModelOpt,
+    plan: Annotated[str, typer.Option("--plan", help='Knobs, e.g. "tp=8,pp=16,vpp=1,mbs=1,recompute=full,sp=false,zero=0".')],
+    gpu: GpuOpt = None,
+    gpus: GpusOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    seq_len: SeqLenOpt = None,
+    precision: PrecisionOpt = "bf16",
+    gpus_per_node: GpusPerNodeOpt = None,
+    intra_node_bw: IntraBwOpt = None,
+    inter_node_bw: InterBwOpt = None,
+    cluster: ClusterOpt = None,
+    memory_limit_gb: MemLimitOpt = None,
+    as_json: JsonOpt = False,
+    calibration: CalibrationOpt = None,
+) -> int:
+    """Score one plan and print its time and memory breakdown."""
+    _check_memory_limit(memory_limit_gb)
+    problem = _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
+                       inter_node_bw, cluster)
+    the_plan = api.plan_from_text(plan, problem)
+    params, _ = api.load_params(calibration)
+    rep = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)
+    code = EXIT_OK if rep["fits"] else EXIT_NOTHING_FITS
+    if as_json:
+        _print_json({**rep, "problem": problem_dict(problem)})
+    else:
+        mem = rep["memory_gb"]
+        con = _stdout_console()
+        con.print(Text(f"{problem.model.name} on {problem.cluster.num_gpus} x {problem.cluster.gpu.name}, "
+                       f"global batch {problem.job.global_batch} x {problem.job.seq_len} tokens, "
+                       f"{problem.job.precision.value}"))
+        con.print(Text(f"Plan {plan_text(rep['plan'])}: {rep['step_time_s']:.3f} s per step, "
+                       f"{rep['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+                       f"{rep['model_tflops_per_gpu']:.0f} model TFLOP/s per GPU, MFU {rep['mfu']:.1%}, "
+                       f"HFU {rep['hfu']:.1%}; {mem['total']:.1f} of {mem['limit']:.1f} GB per GPU "
+                       f"({'fits' if rep['fits'] else 'does NOT fit'})."))
+        con.print(_time_table(rep))
+        con.print(_memory_table(rep))
+    if not rep["fits"]:
+        _error_line(_over_limit_line(rep))
+    return code
+
+
+@app.command()
+def validate(
+    file: Annotated[str, typer.Argument(metavar="FILE", help="Runs file (schema: shared/validation/README.md).")],
+    as_json: JsonOpt = False,
+    all_rows: Annotated[bool, typer.Option("--all", help="Also predict rows marked usable=false.")] = False,
+) -> int:
+    """Predict published, measured runs and report the error per run and the MAPE."""
+    rows = load_runs(file)
+    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise SpecError("FILE", f"{file}: run {bad} is a {type(rows[bad]).__name__}, not an object")
+    with _Spinner(f"Predicting {len(rows)} runs...", enabled=not as_json):
+        summary = validate_rows(rows, only_usable=not all_rows)
+    if as_json:
+        _print_json(summary)
+        return EXIT_OK
+    con = _stdout_console()
+    table = Table(title=f"Predicted vs measured tokens/s per GPU: {file}", title_justify="left")
+    for col in ("id", "measured tok/s/GPU", "predicted", "error %", "fits", "filled knobs", "skipped reason"):
+        table.add_column(col, justify="right" if col in ("measured tok/s/GPU", "predicted", "error %") else "left",
+                         overflow="fold")
+    for r in summary["runs"]:
+        meas, pred, fits = (r.get("measured_tokens_per_s_per_gpu"), r.get("predicted_tokens_per_s_per_gpu"),
+                            r.get("predicted_fits"))
+        table.add_row(str(r.get("id")), "-" if meas is None else f"{meas:,.0f}",
+                      "-" if pred is None else f"{pred:,.0f}",
+                      "-" if r.get("error_pct") is None else f"{r['error_pct']:+.1f}",
+                      "-" if fits is None else ("yes" if fits else "NO"),
+                      ",".join(r.get("filled") or []) or "-", r.get("skipped") or "")
+    con.print(table)
+    con.print(Text(f"MAPE {_pct(summary['mape_pct'])} overall, {_pct(summary.get('mape_dense_pct'))} dense "
+                   f"({summary.get('n_scored_dense', 0)} runs), {_pct(summary.get('mape_moe_pct'))} MoE "
+                   f"({summary.get('n_scored_moe', 0)} runs); max abs error {_pct(summary['max_abs_error_pct'])}; "
+                   f"{summary['n_scored']} scored, {summary['n_skipped']} skipped, "
+                   f"{summary.get('n_predicted_oom', 0)} predicted not to fit."))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    app()
