@@ -261,8 +261,9 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     def shard(x_dense, x_exp, on):
         return x_dense / jnp.where(on > 0, n_dp_dense, 1.0) + x_exp / jnp.where(on > 0, n_dp_exp, 1.0)
 
-    layer_full_params = dense_layer_params / tp + frac_moe * M["experts"] * M["expert_params"] / (ep * etp)
-    weights_mem = wbytes * shard(p_dense, p_expert, shard_w) + z3 * 2.0 * 2.0 * layer_full_params
+    # ZeRO-3 gathers one weight matrix at a time and prefetches the next: two of the largest live
+    largest_matrix = jnp.maximum(jnp.maximum(f, M["q_up_n"]) * h, M["expert_ffn"] * h * (1.0 + g_mlp)) / tp
+    weights_mem = wbytes * shard(p_dense, p_expert, shard_w) + z3 * 2.0 * 2.0 * largest_matrix
     grads_mem = gbytes * shard(p_dense, p_expert, shard_g)
     opt_mem = 12.0 * shard(p_dense, p_expert, shard_opt)         # fp32 master + Adam m, v [Z20]
 
