@@ -139,8 +139,13 @@ def case_from_row(row: dict) -> RowCase:
             fixed[knob] = int(val)
     if plan.get("tp") is None or plan.get("pp") is None:
         raise SpecError("plan.tp", "tp and pp must be given")
+    meas = row.get("measured") or {}
     if plan.get("recompute_key"):
         fixed["recompute"] = int(Recompute.parse(plan["recompute_key"], "plan.recompute_key"))
+    elif meas.get("hfu") is not None and meas.get("mfu") is None:
+        # the source counted the recomputation forward pass in its FLOP rate (stored as hfu, see
+        # the validation README), so the run recomputed activations
+        fixed["recompute"] = int(Recompute.FULL)
     else:
         filled.append("recompute")
     if plan.get("sequence_parallel") is not None:

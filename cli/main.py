@@ -351,7 +351,7 @@ def validate(
     rows = load_runs(file)
     bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
     if bad is not None:
-        raise SpecError("FILE", f"{file}: run {bad} is a {type(rows[bad]).__name__}, not an object")
+        raise SpecError("FILE", f"{file}: run {bad} is not a JSON object (got {type(rows[bad]).__name__})")
     with _Spinner(f"Predicting {len(rows)} runs...", enabled=not as_json):
         summary = validate_rows(rows, only_usable=not all_rows)
     if as_json:

@@ -14,36 +14,36 @@ import jax.numpy as jnp
 
 class EfficiencyParams(NamedTuple):
     # --- compute ---
-    gemm_eff_max: float = 0.5111          # large bf16 GEMM fraction of peak (H100 cuBLAS ~750-800/989 TF)
-    gemm_eff_max_fp8: float = 0.6936      # large fp8 GEMM fraction of fp8 peak (TE/cuBLASLt, smaller than bf16)
-    gemm_dim_half: float = 31.1         # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim
-    attn_eff_max: float = 0.6012          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
+    gemm_eff_max: float = 0.6565          # large bf16 GEMM fraction of peak (H100 cuBLAS ~750-800/989 TF)
+    gemm_eff_max_fp8: float = 0.6881      # large fp8 GEMM fraction of fp8 peak (TE/cuBLASLt, smaller than bf16)
+    gemm_dim_half: float = 25.04         # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim
+    attn_eff_max: float = 0.5941          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
     attn_seq_half: float = 256        # sequence length at which attention efficiency halves
     attn_bwd_ratio: float = 2.5         # flash-attention backward time / forward time (5 vs 2 GEMMs)
-    softmax_bytes_per_score: float = 5.751  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
-    hbm_eff: float = 0.8228               # achieved fraction of HBM bandwidth for memory-bound kernels
-    elementwise_bytes_h: float = 16.53   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
-    elementwise_bytes_f: float = 5.573    # bytes moved per token per FFN unit per layer fwd (activation fn)
-    lp_cast_bytes: float = 3.108          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
-    kernel_overhead_s: float = 2.418e-05     # launch + tail per kernel (dominates small models)
+    softmax_bytes_per_score: float = 10.81  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
+    hbm_eff: float = 0.8602               # achieved fraction of HBM bandwidth for memory-bound kernels
+    elementwise_bytes_h: float = 15.49   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
+    elementwise_bytes_f: float = 5.93    # bytes moved per token per FFN unit per layer fwd (activation fn)
+    lp_cast_bytes: float = 2.199          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
+    kernel_overhead_s: float = 2.99e-05     # launch + tail per kernel (dominates small models)
     kernels_per_layer: float = 14     # kernels per layer forward (backward ~2x)
     # --- communication ---
-    intra_bw_eff: float = 0.8549          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
-    inter_bw_eff: float = 0.519          # achieved NIC bandwidth fraction
-    tp_comm_overlap: float = 9.501e-05        # fraction of TP collectives hidden under GEMMs
-    dp_overlap: float = 0.8474             # fraction of DP grad reduce / param gather that may hide under compute
+    intra_bw_eff: float = 0.8647          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
+    inter_bw_eff: float = 0.4796          # achieved NIC bandwidth fraction
+    tp_comm_overlap: float = 9.5e-05        # fraction of TP collectives hidden under GEMMs
+    dp_overlap: float = 0.8068             # fraction of DP grad reduce / param gather that may hide under compute
     cp_overlap: float = 0.9             # fraction of ring-attention KV exchange hidden under attention compute
-    pp_overlap: float = 0.4306             # fraction of pipeline p2p hidden under compute
-    ep_overlap: float = 9.502e-05             # fraction of MoE all-to-all hidden under compute
-    moe_imbalance: float = 1.044         # busiest expert rank load / mean (force-balanced routing ~1.0)
-    step_overhead_s: float = 0.02128       # per optimizer step fixed host work (logging, grad-norm, scheduler)
-    microbatch_overhead_s: float = 0.003551 # per micro-batch host work (data, schedule bookkeeping)
-    collective_latency_s: float = 2.286e-05  # fixed launch + synchronization cost of one NCCL collective
-    zero3_bw_eff: float = 0.3067           # ZeRO-3/FSDP per-layer gathers: fraction of the bus bandwidth reached
+    pp_overlap: float = 0.3956             # fraction of pipeline p2p hidden under compute
+    ep_overlap: float = 9.504e-05             # fraction of MoE all-to-all hidden under compute
+    moe_imbalance: float = 1.04         # busiest expert rank load / mean (force-balanced routing ~1.0)
+    step_overhead_s: float = 0.01662       # per optimizer step fixed host work (logging, grad-norm, scheduler)
+    microbatch_overhead_s: float = 0.003763 # per micro-batch host work (data, schedule bookkeeping)
+    collective_latency_s: float = 2.908e-05  # fixed launch + synchronization cost of one NCCL collective
+    zero3_bw_eff: float = 0.1578           # ZeRO-3/FSDP per-layer gathers: fraction of the bus bandwidth reached
     optimizer_bytes_per_param: float = 30  # Adam step bytes moved per local param (fp32 master, m, v r/w; grad; param)
     # --- memory ---
     mem_fixed_bytes: float = 3e+09      # CUDA context, framework, NCCL buffers per GPU
-    mem_fragmentation: float = 1.08     # allocator overhead factor on dynamic memory
+    mem_fragmentation: float = 1.03     # allocator overhead factor on dynamic memory
     logits_bytes_per_elem: float = 6  # bytes per logit kept for the loss (bf16 logits + fp32 copy)
     grad_bytes_per_param: float = 2   # bf16 main gradients (NeMo/Megatron-Core default grad_reduce_in_fp32=False)
     low_precision_weight_bytes: float = 1  # extra cached fp8/fp4 weight copy per param (Transformer Engine)
@@ -51,9 +51,9 @@ class EfficiencyParams(NamedTuple):
 
 #: Physical ranges (low, high) of every field; calibration stays inside them.
 PARAM_BOUNDS = {
-    "gemm_eff_max": (0.3, 0.95), "gemm_eff_max_fp8": (0.2, 0.95), "gemm_dim_half": (1.0, 512.0),
+    "gemm_eff_max": (0.55, 0.92), "gemm_eff_max_fp8": (0.4, 0.9), "gemm_dim_half": (1.0, 512.0),
     "attn_eff_max": (0.15, 0.9), "attn_seq_half": (16.0, 4096.0), "attn_bwd_ratio": (1.5, 4.0),
-    "hbm_eff": (0.3, 0.95), "softmax_bytes_per_score": (2.0, 40.0), "elementwise_bytes_h": (4.0, 96.0), "elementwise_bytes_f": (1.0, 32.0),
+    "hbm_eff": (0.3, 0.95), "softmax_bytes_per_score": (8.0, 32.0), "elementwise_bytes_h": (4.0, 96.0), "elementwise_bytes_f": (1.0, 32.0),
     "kernel_overhead_s": (0.0, 5e-5), "lp_cast_bytes": (0.0, 24.0), "kernels_per_layer": (4.0, 60.0),
     "intra_bw_eff": (0.3, 0.95), "inter_bw_eff": (0.3, 0.95), "tp_comm_overlap": (0.0, 0.95),
     "dp_overlap": (0.0, 1.0), "cp_overlap": (0.0, 1.0), "pp_overlap": (0.0, 1.0),

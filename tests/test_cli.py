@@ -1,0 +1,397 @@
+"""The `autotune` CLI end to end: search, predict, validate, every bad-input case, the frozen surface.
+
+Bad input must give exit code 2 and exactly one `error: <field>: <reason>` line on stderr, never a
+traceback; "legal plans exist but none fits" gives exit code 3 (issue 2, "Bad input").
+The problems are small (8 GPUs) and shared, so the whole file compiles the cost model once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from autotune import __version__
+from cli.main import app
+
+REPO = Path(__file__).resolve().parents[1]
+PUBLIC_RUNS = REPO.parent / "shared" / "validation" / "public_runs.json"
+
+SMALL = ["--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "64", "--seq-len", "4096"]
+PLAN_KNOBS = {"tp", "pp", "dp", "cp", "ep", "etp", "vpp", "mbs", "recompute", "sp", "zero"}
+PLAN_REPORT_KEYS = {"plan", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu",
+                    "mfu", "hfu", "fits", "memory_gb", "time_breakdown_s"}
+MEMORY_KEYS = {"total", "weights", "gradients", "optimizer", "activations", "other", "limit"}
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, code: int, *needles: str) -> str:
+    """Exit `code`, exactly one non-empty `error:` line on stderr naming every needle, no traceback."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr, result.exception)
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("error: ") and len(line) > len("error: ")
+    for needle in needles:
+        assert needle in line, (needle, line)
+    return line
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI surface: an accidental change of a command or option name fails here
+# ---------------------------------------------------------------------------------------------
+
+PROBLEM_OPTIONS = {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--gpus-per-node",
+                   "--intra-node-bw", "--inter-node-bw", "--cluster", "--memory-limit-gb", "--json",
+                   "--calibration"}
+SURFACE = {
+    "": {"--version"},
+    "search": PROBLEM_OPTIONS | {"--strategy", "--top", "--out", "--no-save"},
+    "predict": PROBLEM_OPTIONS | {"--plan"},
+    "validate": {"file", "--json", "--all"},
+}
+
+
+def _names(command) -> set:
+    return {name for p in command.params for name in (*p.opts, *p.secondary_opts)}
+
+
+def test_cli_surface_snapshot():
+    group = get_command(app)
+    surface = {"": _names(group)} | {name: _names(cmd) for name, cmd in group.commands.items()}
+    assert surface == SURFACE
+
+
+def test_version():
+    result = run("--version")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"autotune {__version__}"
+
+
+def test_no_command_shows_help():
+    result = run()
+    assert result.exit_code == 0
+    assert "search" in result.stdout and "predict" in result.stdout and "validate" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# search
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def search_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    result = run("search", *SMALL, "--top", "3", "--json", "--out", out)
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    return json.loads(result.stdout), out
+
+
+def test_search_json_schema(search_json):
+    report, _ = search_json
+    assert {"best", "top", "space", "elapsed_s", "explanation"} <= set(report)
+    assert set(report["best"]["plan"]) == PLAN_KNOBS
+    assert PLAN_REPORT_KEYS <= set(report["best"])
+    assert MEMORY_KEYS <= set(report["best"]["memory_gb"])
+    assert {"total", "legal", "illegal", "fitting", "scored"} <= set(report["space"])
+    assert isinstance(report["space"]["illegal"], dict)
+    assert len(report["top"]) == 3
+    assert report["top"][0] == report["best"]
+    assert report["best"]["fits"] and report["best"]["plan"]["dp"] * report["best"]["plan"]["tp"] \
+        * report["best"]["plan"]["pp"] * report["best"]["plan"]["cp"] == 8
+    steps = [r["step_time_s"] for r in report["top"]]
+    assert steps == sorted(steps)
+
+
+def test_search_json_saves_the_same_report(search_json):
+    report, out = search_json
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) == 2 and files[0].endswith(".json") and files[1].endswith(".md")
+    assert json.loads((out / files[0]).read_text()) == report
+    assert "llama3-8b" in files[0]
+
+
+def test_search_human(tmp_path):
+    result = run("search", *SMALL, "--top", "3", "--out", tmp_path / "out")
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    text = result.stdout
+    for header in ("TP", "PP", "DP", "CP", "EP", "VPP", "MBS", "recompute", "SP", "ZeRO", "step (s)",
+                   "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "mem GB", "fits"):
+        assert header in text
+    assert "The fastest plan" in text                    # the explanation paragraph
+    assert "legal" in text and "fit in memory" in text   # the space summary
+    assert "Report saved to" in text
+    assert len(list((tmp_path / "out").iterdir())) == 2
+    assert result.stderr == ""
+
+
+def test_search_no_save(tmp_path):
+    out = tmp_path / "never"
+    result = run("search", *SMALL, "--top", "1", "--json", "--no-save", "--out", out)
+    assert result.exit_code == 0
+    assert len(json.loads(result.stdout)["top"]) == 1
+    assert not out.exists()
+
+
+def test_search_unwritable_out(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = run("search", *SMALL, "--json", "--out", blocker)
+    assert_one_line_error(result, 2, "out", "cannot write")
+    assert result.stdout == ""
+
+def test_search_nothing_fits_json(tmp_path):
+    result = run("search", *SMALL, "--memory-limit-gb", "1", "--json", "--out", tmp_path)
+    line = assert_one_line_error(result, 3, "memory", "closest", "GB over")
+    data = json.loads(result.stdout)
+    assert set(data) == {"error", "closest", "space"}
+    assert data["error"] in line
+    assert set(data["closest"]["plan"]) == PLAN_KNOBS and data["closest"]["fits"] is False
+    assert data["space"]["fitting"] == 0 and data["space"]["legal"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_search_nothing_fits_human(tmp_path):
+    result = run("search", *SMALL, "--memory-limit-gb", "1", "--out", tmp_path)
+    assert_one_line_error(result, 3, "memory", "closest", "1.0 GB")
+    assert result.stdout == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# predict
+# ---------------------------------------------------------------------------------------------
+
+def test_predict_json_schema():
+    result = run("predict", *SMALL, "--plan", "tp=2,pp=2,vpp=2,mbs=1,recompute=selective,sp=true,zero=1",
+                 "--json")
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    rep = json.loads(result.stdout)
+    assert PLAN_REPORT_KEYS | {"problem"} <= set(rep)
+    assert rep["plan"] == {"tp": 2, "pp": 2, "dp": 2, "cp": 1, "ep": 1, "etp": 1, "vpp": 2, "mbs": 1,
+                           "recompute": "selective", "sp": True, "zero": 1}
+    assert MEMORY_KEYS <= set(rep["memory_gb"])
+    assert {"compute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer"} <= set(rep["time_breakdown_s"])
+    assert {"model", "gpu", "cluster", "job"} <= set(rep["problem"])
+    assert rep["fits"] is True and result.stderr == ""
+
+
+def test_predict_human():
+    result = run("predict", *SMALL, "--plan", "tp=2,pp=1,mbs=1,recompute=none,sp=true,zero=1")
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    for word in ("Time per step", "Peak memory per GPU", "compute", "activations", "tokens/s per GPU", "fits"):
+        assert word in result.stdout
+
+
+LLAMA70B_ON_8 = ["--model", "llama3-70b", "--gpu", "h100", "--gpus", "8", "--global-batch", "64",
+                 "--seq-len", "4096", "--plan", "tp=1,pp=1", "--memory-limit-gb", "80"]
+
+
+def test_predict_does_not_fit_exit_3():
+    result = run("predict", *LLAMA70B_ON_8)
+    assert_one_line_error(result, 3, "memory", "over the 80.0 GB limit", "optimizer")
+    assert "Peak memory per GPU" in result.stdout
+
+
+def test_predict_does_not_fit_json_exit_3():
+    result = run("predict", *LLAMA70B_ON_8, "--json")
+    assert_one_line_error(result, 3, "memory")
+    rep = json.loads(result.stdout)
+    assert rep["fits"] is False and rep["memory_gb"]["limit"] == pytest.approx(80.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# validate
+# ---------------------------------------------------------------------------------------------
+
+VALIDATION_IDS = ("nemo-24.07-LLAMA3-8B-8g-pre", "nemo-24.07-LLAMA2-7B-8g-pre", "narayanan21-t1-1.7B")
+
+
+@pytest.fixture(scope="module")
+def runs_file(tmp_path_factory):
+    rows = {r["id"]: r for r in json.loads(PUBLIC_RUNS.read_text())}
+    picked = [rows[i] for i in VALIDATION_IDS]
+    broken = json.loads(json.dumps(picked[0]))
+    broken["id"] = "broken-row"
+    broken["model"]["layers"] = "many"              # not an integer: the row is skipped, not fatal
+    path = tmp_path_factory.mktemp("runs") / "runs.json"
+    path.write_text(json.dumps(picked + [broken]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def validate_json(runs_file):
+    result = run("validate", runs_file, "--json")
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    return json.loads(result.stdout)
+
+
+def test_validate_json(validate_json):
+    out = validate_json
+    assert {"runs", "mape_pct", "max_abs_error_pct", "n_scored", "n_skipped"} <= set(out)
+    assert [r["id"] for r in out["runs"]] == [*VALIDATION_IDS, "broken-row"]
+    assert out["n_scored"] == 3 and out["n_skipped"] == 1
+    for r in out["runs"]:
+        assert {"id", "measured_tokens_per_s_per_gpu", "predicted_tokens_per_s_per_gpu", "predicted_step_time_s",
+                "predicted_fits", "predicted_memory_gb", "error_pct", "skipped"} <= set(r)
+    scored = out["runs"][:3]
+    assert all(r["skipped"] is None and r["error_pct"] is not None for r in scored)
+    assert out["runs"][3]["skipped"] and out["runs"][3]["error_pct"] is None
+    assert out["mape_pct"] == pytest.approx(sum(abs(r["error_pct"]) for r in scored) / 3)
+
+
+def test_validate_human(runs_file, validate_json):
+    result = run("validate", runs_file)
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    for word in (*VALIDATION_IDS, "broken-row", "measured", "predicted", "error %", "MAPE", "skipped"):
+        assert word in result.stdout
+    assert f"{validate_json['mape_pct']:.1f}%" in result.stdout
+
+
+def test_validate_missing_file(tmp_path):
+    assert_one_line_error(run("validate", tmp_path / "nope.json"), 2, "FILE", "nope.json")
+
+
+def test_validate_invalid_json(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("[{'id': 1,")
+    assert_one_line_error(run("validate", path), 2, "FILE", "not valid JSON")
+
+
+def test_validate_not_a_list_of_objects(tmp_path):
+    path = tmp_path / "scalars.json"
+    path.write_text("[1, 2]")
+    assert_one_line_error(run("validate", path), 2, "FILE", "run 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line, exit 2 (or 3), the field named, no traceback
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("configs")
+    no_hidden = d / "no-hidden" / "config.json"
+    no_hidden.parent.mkdir()
+    no_hidden.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8,
+                                     "intermediate_size": 1024, "vocab_size": 1000}))
+    bert = d / "bert.json"
+    bert.write_text(json.dumps({"model_type": "bert", "hidden_size": 768}))
+    broken = d / "broken.json"
+    broken.write_text("{not json")
+    return {"no_hidden": no_hidden, "bert": bert, "broken": broken}
+
+
+def _problem(model="llama3-8b", gpu="h100", gpus="8", batch="64", seq="4096"):
+    return ["--model", model, "--gpu", gpu, "--gpus", gpus, "--global-batch", batch, "--seq-len", seq]
+
+
+BAD_SEARCH = {
+    "unknown model preset": (_problem(model="llama9-1t"), ("model", "unknown preset", "llama3-8b", "gpt3-175b")),
+    "unknown gpu preset": (_problem(gpu="tpu-v9"), ("gpu", "tpu-v9", "h100", "a100-80gb")),
+    "zero gpus": (_problem(gpus="0"), ("gpus",)),
+    "negative gpus": (_problem(gpus="-8"), ("gpus",)),
+    "gpus not whole nodes": (_problem(gpus="12"), ("gpus", "NVLink")),
+    "no plan can use the gpus": (_problem(gpus="1024", batch="1"), ("gpus", "no legal plan")),
+    "zero global batch": (_problem(batch="0"), ("global_batch",)),
+    "zero seq len": (_problem(seq="0"), ("seq_len",)),
+    "unknown precision": (_problem() + ["--precision", "int3"], ("precision", "int3")),
+    "precision the gpu lacks": (_problem() + ["--precision", "fp4"], ("precision", "fp4")),
+    "zero memory limit": (_problem() + ["--memory-limit-gb", "0"], ("memory_limit_gb",)),
+    "unknown strategy": (_problem() + ["--strategy", "annealing"], ("strategy", "exhaustive")),
+    "missing cluster file": (_problem() + ["--cluster", "/nonexistent/cluster.yaml"], ("cluster_file",)),
+    "missing calibration file": (_problem() + ["--calibration", "/nonexistent/params.json"], ("calibration",)),
+    "top zero": (_problem() + ["--top", "0"], ("--top",)),
+    "missing --model": (["--gpu", "h100", "--gpus", "8"], ("--model",)),
+    "gpus not an int": (_problem(gpus="eight"), ("--gpus",)),
+    "unknown option": (_problem() + ["--bogus"], ("--bogus",)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SEARCH))
+def test_search_bad_input(case, tmp_path):
+    args, needles = BAD_SEARCH[case]
+    result = run("search", *args, "--out", tmp_path)
+    assert_one_line_error(result, 2, *needles)
+    assert result.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_bad_input_json_mode_keeps_stdout_empty(as_json):
+    result = run("search", *_problem(model="llama9-1t"), "--no-save", *(["--json"] if as_json else []))
+    assert_one_line_error(result, 2, "model")
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("which,needles", [
+    ("no_hidden", ("model", "missing key", "hidden_size")),
+    ("bert", ("model", "model_type", "bert", "llama")),
+    ("broken", ("model", "not valid JSON")),
+])
+def test_bad_config_json(configs, which, needles):
+    result = run("search", *_problem(model=str(configs[which])), "--no-save")
+    assert_one_line_error(result, 2, *needles)
+
+
+BAD_PLANS = {
+    "tp does not divide gpus": ("8", "tp=3", ("plan", "tp*cp*pp = 3", "gpus=8")),
+    "tp does not divide heads": ("16", "tp=16", ("plan (tp_heads)", "num_kv_heads=8")),
+    "global batch not divisible": ("8", "dp=8,mbs=3", ("plan (batch_divisible)", "global_batch=64")),
+    "too few micro-batches": ("8", "pp=8,mbs=16", ("plan (microbatches_ge_pp)",)),
+    "sp without tp": ("8", "tp=1,sp=true", ("plan (sp_needs_tp)",)),
+    "unknown key": ("8", "tp=1,foo=2", ("plan", "foo", "known keys")),
+    "not an integer": ("8", "tp=two", ("plan.tp",)),
+    "bad recompute": ("8", "recompute=some", ("plan.recompute",)),
+    "zero stage 4": ("8", "zero=4", ("plan.zero",)),
+    "no equals sign": ("8", "tp8", ("plan", "key=value")),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLANS))
+def test_predict_illegal_plan(case):
+    gpus, plan, needles = BAD_PLANS[case]
+    result = run("predict", *_problem(gpus=gpus), "--plan", plan, "--json")
+    assert_one_line_error(result, 2, *needles)
+    assert result.stdout == ""
+
+
+def test_predict_missing_plan():
+    assert_one_line_error(run("predict", *_problem()), 2, "--plan")
+
+
+# ---------------------------------------------------------------------------------------------
+# The installed console script, in a fresh process
+# ---------------------------------------------------------------------------------------------
+
+def test_console_script_json(tmp_path):
+    script = Path(sys.executable).with_name("autotune")
+    if not script.exists():
+        pytest.skip("the autotune console script is not installed next to this Python")
+    env = {**os.environ, "COLUMNS": "80"}
+    proc = subprocess.run([str(script), "search", *SMALL, "--json", "--no-save"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    report = json.loads(proc.stdout)
+    assert set(report["best"]["plan"]) == PLAN_KNOBS and len(report["top"]) == 10
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_console_script_bad_input_one_line(tmp_path):
+    script = Path(sys.executable).with_name("autotune")
+    if not script.exists():
+        pytest.skip("the autotune console script is not installed next to this Python")
+    proc = subprocess.run([str(script), "search", "--gpu", "h100"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and proc.stderr.strip() == "error: Missing option '--model'."

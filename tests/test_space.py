@@ -1,0 +1,348 @@
+"""The plan space: legality rules, published plans, enumeration counts, derived dp.
+
+Each rule of `search_spaces.space.RULES` gets a plan that breaks it (and only it) and the same plan
+fixed; the published runs of ../shared/validation/public_runs.json must lie in the legal space; the
+blocked, vectorized enumeration must agree with a brute-force loop over the knob domains that checks
+every plan one at a time with `check_plan`.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autotune.api import build_problem
+from costmodels.plan import PLAN_FIELDS, Plan
+from costmodels.presets import build_cluster
+from costmodels.specs import JobSpec, ModelSpec, Recompute, SpecError
+from search_spaces.space import (RULES, Problem, check_plan, check_rows, count_legal, domains,
+                                 enumerate_legal)
+
+RUNS_FILE = Path(__file__).resolve().parents[2] / "shared" / "validation" / "public_runs.json"
+
+# ---------------------------------------------------------------------------------------------
+# Small problems whose every rule can be broken by hand
+# ---------------------------------------------------------------------------------------------
+
+DENSE = ModelSpec(name="dense-8l", num_layers=8, hidden_size=256, ffn_hidden_size=1024,
+                  num_attention_heads=8, num_kv_heads=4, vocab_size=1000, gated_mlp=False)
+MOE = ModelSpec(name="moe-8l", num_layers=8, hidden_size=256, ffn_hidden_size=1024,
+                num_attention_heads=8, num_kv_heads=8, vocab_size=1000, num_experts=8,
+                experts_per_token=2, moe_ffn_hidden_size=100)
+CLUSTER16 = build_cluster(gpu="h100", num_gpus=16)
+JOB = JobSpec(global_batch=32, seq_len=1024)
+
+
+def _problem(model=DENSE, job=JOB, cluster=CLUSTER16) -> Problem:
+    return Problem(model, cluster, job)
+
+
+# rule name -> list of (case id, problem, plan that breaks exactly this rule, the same plan fixed)
+RULE_CASES = [
+    ("gpus", "tp*pp*dp != gpus", _problem(),
+     Plan(tp=2, pp=2, dp=2), Plan(tp=2, pp=2, dp=4)),
+    ("tp_heads", "tp divides heads but not kv heads", _problem(),
+     Plan(tp=8, dp=2), Plan(tp=4, dp=4)),
+    ("cp_seq", "seq not divisible by 2*cp", _problem(job=JobSpec(global_batch=32, seq_len=1000)),
+     Plan(cp=8, dp=2), Plan(cp=4, dp=4)),
+    ("pp_layers", "pp*vpp > layers", _problem(),
+     Plan(pp=4, dp=4, vpp=4), Plan(pp=4, dp=4, vpp=2)),
+    ("vpp_needs_pp", "interleaving without a pipeline", _problem(),
+     Plan(dp=16, vpp=2), Plan(dp=16, vpp=1)),
+    ("batch_divisible", "global batch not divisible by dp*mbs", _problem(),
+     Plan(tp=4, dp=4, mbs=3), Plan(tp=4, dp=4, mbs=2)),
+    ("microbatches_ge_pp", "fewer micro-batches than stages", _problem(),
+     Plan(pp=4, dp=4, mbs=4), Plan(pp=4, dp=4, mbs=2)),
+    ("interleave_microbatches", "micro-batches not a multiple of pp when interleaving",
+     _problem(job=JobSpec(global_batch=24, seq_len=1024)),
+     Plan(pp=4, dp=4, vpp=2), Plan(pp=4, dp=4, vpp=1)),
+    ("sp_needs_tp", "sequence parallel without TP", _problem(),
+     Plan(dp=16, sp=True), Plan(dp=16, sp=False)),
+    ("moe_tp_needs_sp", "MoE with tp>1 and no SP", _problem(MOE),
+     Plan(tp=2, dp=8, sp=False), Plan(tp=2, dp=8, sp=True)),
+    ("zero_needs_dp", "ZeRO with dp*cp == 1", _problem(),
+     Plan(tp=4, pp=4, dp=1, zero=1), Plan(tp=4, pp=4, dp=1, zero=0)),
+    ("zero23_no_pp", "ZeRO-2 with a pipeline", _problem(),
+     Plan(pp=2, dp=8, zero=2), Plan(pp=2, dp=8, zero=1)),
+    ("ep_experts", "ep does not divide the experts", _problem(MOE),
+     Plan(dp=16, ep=16), Plan(dp=16, ep=8)),
+    ("ep_experts", "ep on a dense model", _problem(),
+     Plan(dp=16, ep=2), Plan(dp=16, ep=1)),
+    ("ep_fold", "ep*etp does not divide tp*cp*dp", _problem(MOE),
+     Plan(pp=4, dp=4, ep=8), Plan(pp=4, dp=4, ep=4)),
+    ("etp_ffn", "etp does not divide the expert FFN", _problem(MOE),
+     Plan(dp=16, etp=8), Plan(dp=16, etp=4)),
+    ("etp_ffn", "etp on a dense model", _problem(),
+     Plan(dp=16, etp=2), Plan(dp=16, etp=1)),
+]
+
+
+def _arrays(plan: Plan) -> dict:
+    return {f: np.array([int(getattr(plan, f))], dtype=np.int64) for f in PLAN_FIELDS}
+
+
+def _broken_rules(plan: Plan, problem: Problem) -> list[str]:
+    a = _arrays(plan)
+    return [r.name for r in RULES if not bool(np.asarray(r.ok(a, problem)).reshape(-1)[0])]
+
+
+def test_every_rule_has_a_case():
+    """A new rule must come with a plan that breaks it (add it to RULE_CASES)."""
+    assert {c[0] for c in RULE_CASES} == {r.name for r in RULES}
+
+
+@pytest.mark.parametrize("rule, why, problem, bad, good", RULE_CASES,
+                         ids=[f"{c[0]}-{c[1].replace(' ', '_')}" for c in RULE_CASES])
+def test_rule_is_enforced(rule, why, problem, bad, good):
+    # the bad plan breaks exactly this rule, so the test says something about this rule alone
+    assert _broken_rules(bad, problem) == [rule]
+    with pytest.raises(SpecError) as info:
+        check_plan(bad, problem)
+    err = info.value
+    assert rule in err.field                     # the field names the rule: "plan (tp_heads)"
+    assert rule in str(err)
+    assert "\n" not in str(err)                  # one line, for the CLI
+    # the message names the knob that the fix changes, and quotes values
+    changed = [f for f in PLAN_FIELDS if getattr(bad, f) != getattr(good, f)]
+    assert any(f in err.reason for f in changed), (changed, err.reason)
+    assert any(ch.isdigit() for ch in err.reason)
+    # the same plan fixed is legal
+    check_plan(good, problem)
+    assert _broken_rules(good, problem) == []
+
+
+@pytest.mark.parametrize("rule, why, problem, bad, good", RULE_CASES,
+                         ids=[f"{c[0]}-{c[1].replace(' ', '_')}" for c in RULE_CASES])
+def test_rule_agrees_with_enumeration(rule, why, problem, bad, good):
+    """The vectorized enumeration keeps the fixed plan and drops the bad one."""
+    def listed(plan):
+        fixed = {f: int(getattr(plan, f)) for f in PLAN_FIELDS}
+        rows = [b for b in enumerate_legal(problem, fixed=fixed)[0]]
+        return sum(len(b) for b in rows)
+    assert listed(good) == 1
+    assert listed(bad) == 0
+
+
+def test_check_plan_reports_the_first_broken_rule():
+    """A plan breaking several rules is reported by the first rule in RULES order."""
+    p = _problem()
+    plan = Plan(tp=8, dp=2, vpp=2, sp=False)     # tp_heads and vpp_needs_pp
+    broken = _broken_rules(plan, p)
+    assert broken == ["tp_heads", "vpp_needs_pp"]
+    with pytest.raises(SpecError, match="tp_heads"):
+        check_plan(plan, p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Published plans are legal
+# ---------------------------------------------------------------------------------------------
+
+def _usable_rows() -> list:
+    if not RUNS_FILE.exists():
+        return []
+    data = json.loads(RUNS_FILE.read_text())
+    if isinstance(data, dict):
+        data = data["runs"]
+    return [r for r in data if r.get("usable")]
+
+
+USABLE_ROWS = _usable_rows()
+
+#: Usable published runs that the tool cannot express yet, with the reason (a real gap: the run
+#: ran). Strict xfail, so the entry must be removed when the gap is closed.
+KNOWN_UNEXPRESSIBLE = {
+    rid: ("GB200/GB300 NVL72 jobs of 256 GPUs are rejected by build_cluster: '256 GPUs is not a "
+          "multiple of the NVLink domain size 72; use whole nodes' (a GB200 node/compute tray has 4 "
+          "GPUs, jobs may use part of an NVL72 rack)")
+    for rid in ("mbridge-cur-26.08-DeepSeekV3-DGX-GB300-256g-MXFP8-1",
+                "mbridge-cur-26.08-DeepSeekV3-DGX-GB200-256g-MXFP8-2",
+                "mbridge-cur-26.08-Qwen3_235B_a22B-DGX-GB300-256g-MXFP8-9",
+                "mbridge-cur-26.08-Qwen3_235B_a22B-DGX-GB200-256g-MXFP8-10")
+}
+
+
+def _row_params():
+    out = []
+    for r in USABLE_ROWS:
+        marks = ()
+        if r["id"] in KNOWN_UNEXPRESSIBLE:
+            marks = (pytest.mark.xfail(reason=KNOWN_UNEXPRESSIBLE[r["id"]], strict=True),)
+        out.append(pytest.param(r, id=r["id"], marks=marks))
+    return out
+
+
+@pytest.mark.skipif(not USABLE_ROWS, reason=f"{RUNS_FILE} not found")
+@pytest.mark.parametrize("row", _row_params())
+def test_published_plan_is_legal(row):
+    from autotune.validate import case_from_row
+
+    try:
+        case = case_from_row(row)
+    except SpecError as exc:
+        if "not modeled yet" in str(exc):         # a training mode the tool declares unsupported
+            pytest.skip(str(exc))
+        raise
+    stream, stats = enumerate_legal(case.problem, fixed=case.fixed)
+    batches = list(stream)
+    n = sum(len(b) for b in batches)
+    assert n >= 1, f"published plan {case.fixed} is not legal: {stats.as_dict()}"
+    plan = row["plan"]
+    for b in batches:
+        for knob in ("tp", "pp", "dp", "cp", "ep", "vpp"):
+            if plan.get(knob) is not None:
+                assert np.all(np.asarray(b[knob]) == plan[knob]), knob
+        if plan.get("micro_batch") is not None:
+            assert np.all(np.asarray(b["mbs"]) == plan["micro_batch"])
+        g = case.problem.cluster.num_gpus
+        assert np.all(b["tp"] * b["cp"] * b["pp"] * b["dp"] == g)
+    # and the single-plan check agrees on one of them
+    check_plan(batches[0].plan(0), case.problem)
+
+
+def test_usable_rows_are_many():
+    if not USABLE_ROWS:
+        pytest.skip(f"{RUNS_FILE} not found")
+    assert len(USABLE_ROWS) >= 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Enumeration counts and dp
+# ---------------------------------------------------------------------------------------------
+
+COUNT_PROBLEMS = {
+    "llama3-8b@64xh100": dict(model="llama3-8b", gpu="h100", gpus=64, global_batch=512, seq_len=8192),
+    "gpt3-175b@1024xa100": dict(model="gpt3-175b", gpu="a100-80gb", gpus=1024, global_batch=1536,
+                                seq_len=2048),
+    "mixtral-8x7b@64xh100": dict(model="mixtral-8x7b", gpu="h100", gpus=64, global_batch=512, seq_len=4096),
+    "llama2-7b@24xa100": dict(model="llama2-7b", gpu="a100-80gb", gpus=24, global_batch=96, seq_len=4096),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(COUNT_PROBLEMS))
+def enumerated(request):
+    problem = build_problem(**COUNT_PROBLEMS[request.param])
+    stream, stats = enumerate_legal(problem)
+    batches = list(stream)
+    return problem, batches, stats
+
+
+def test_counts_add_up(enumerated):
+    problem, batches, stats = enumerated
+    dom = domains(problem)
+    raw = int(np.prod([len(v) for v in dom.values()]))
+    assert stats.total == raw
+    assert stats.legal == sum(len(b) for b in batches) > 0
+    assert stats.legal + sum(stats.illegal.values()) == stats.total
+    assert all(c > 0 for c in stats.illegal.values())
+    assert set(stats.illegal) <= {r.name for r in RULES}
+    assert stats.as_dict()["legal"] == stats.legal
+    again = count_legal(problem)
+    assert again.as_dict() == stats.as_dict()
+
+
+def test_enumerated_plans_are_legal_and_dp_is_derived(enumerated):
+    problem, batches, _ = enumerated
+    n = problem.cluster.num_gpus
+    rows = {f: np.concatenate([np.asarray(b[f]) for b in batches]) for f in PLAN_FIELDS}
+    assert np.all(rows["tp"] * rows["cp"] * rows["pp"] * rows["dp"] == n)
+    assert np.all(rows["dp"] >= 1)
+    legal, counts = check_rows({k: v.astype(np.int64) for k, v in rows.items()}, problem)
+    assert legal.all() and not counts
+    # no duplicates
+    keys = np.stack([rows[f] for f in PLAN_FIELDS], axis=1)
+    assert len(np.unique(keys, axis=0)) == len(keys)
+    # every enumerated value comes from its knob's domain
+    dom = domains(problem)
+    for f, values in dom.items():
+        assert set(np.unique(rows[f]).tolist()) <= set(values), f
+
+
+def test_fixed_knobs_pin_the_space(enumerated):
+    problem, batches, _ = enumerated
+    first = batches[0].plan(0)
+    fixed = {"tp": first.tp, "pp": first.pp, "dp": first.dp}
+    stream, stats = enumerate_legal(problem, fixed=fixed)
+    rows = list(stream)
+    assert stats.legal == sum(len(b) for b in rows) >= 1
+    assert stats.legal + sum(stats.illegal.values()) == stats.total
+    for b in rows:
+        for k, v in fixed.items():
+            assert np.all(np.asarray(b[k]) == v)
+
+
+def test_fixed_dp_that_no_mesh_gives_is_illegal():
+    problem = build_problem(**COUNT_PROBLEMS["llama3-8b@64xh100"])
+    stream, stats = enumerate_legal(problem, fixed={"dp": 3})
+    assert sum(len(b) for b in stream) == 0
+    assert stats.legal == 0
+    assert stats.illegal.get("gpus") == stats.total
+
+
+def _brute_force(problem: Problem, fixed: dict | None = None):
+    """Loop over the product of the knob domains, one plan at a time through check_plan."""
+    dom = domains(problem, fixed)
+    names = list(dom)
+    n = problem.cluster.num_gpus
+    legal, reasons, total = set(), Counter(), 0
+    for values in itertools.product(*(dom[k] for k in names)):
+        total += 1
+        v = dict(zip(names, values))
+        prod = v["tp"] * v["cp"] * v["pp"]
+        if n % prod:
+            reasons["gpus"] += 1
+            continue
+        v["dp"] = n // prod
+        if fixed and "dp" in fixed and v["dp"] != fixed["dp"]:
+            reasons["gpus"] += 1
+            continue
+        v["sp"] = bool(v["sp"])
+        v["recompute"] = Recompute(v["recompute"])
+        plan = Plan(**v)
+        try:
+            check_plan(plan, problem)
+        except SpecError as exc:
+            reasons[exc.field.removeprefix("plan (").removesuffix(")")] += 1
+            continue
+        legal.add(tuple(int(getattr(plan, f)) for f in PLAN_FIELDS))
+    return legal, dict(reasons), total
+
+
+TINY_DENSE = ModelSpec(name="tiny-4l", num_layers=4, hidden_size=64, ffn_hidden_size=128,
+                       num_attention_heads=4, num_kv_heads=2, vocab_size=100, gated_mlp=False)
+TINY_MOE = ModelSpec(name="tiny-moe", num_layers=4, hidden_size=64, ffn_hidden_size=128,
+                     num_attention_heads=4, num_kv_heads=4, vocab_size=100, num_experts=4,
+                     experts_per_token=2, moe_ffn_hidden_size=64)
+
+
+@pytest.mark.parametrize("model, fixed", [
+    (TINY_DENSE, None),
+    (TINY_MOE, {"recompute": 0}),                 # recompute is in no rule: pin it to keep it small
+], ids=["dense", "moe"])
+def test_enumeration_matches_brute_force(model, fixed):
+    # seq 12: cp=2 splits it into 4 chunks, cp=4 cannot (8 chunks); batch 6: uneven micro-batches
+    problem = Problem(model, build_cluster(gpu="h100", num_gpus=4), JobSpec(global_batch=6, seq_len=12))
+    legal_bf, reasons_bf, total_bf = _brute_force(problem, fixed)
+    stream, stats = enumerate_legal(problem, fixed=fixed)
+    rows = [tuple(int(v) for v in t) for b in stream
+            for t in zip(*(np.asarray(b[f]) for f in PLAN_FIELDS))]
+    assert stats.total == total_bf
+    assert len(rows) == len(set(rows)) == stats.legal == len(legal_bf)
+    assert set(rows) == legal_bf
+    assert dict(sorted(stats.illegal.items())) == dict(sorted(reasons_bf.items()))
+    # the tiny problems exercise most rules (so the comparison is not vacuous)
+    assert len(reasons_bf) >= 8
+
+
+def test_domains_exclude_dp_and_respect_fixed():
+    problem = _problem()
+    dom = domains(problem)
+    assert "dp" not in dom
+    assert set(dom) == set(PLAN_FIELDS) - {"dp"}
+    assert domains(problem, {"tp": 2})["tp"] == (2,)
+    assert all(problem.model.num_attention_heads >= t for t in dom["tp"])
+    assert dom["ep"] == (1,) and dom["etp"] == (1,)          # dense model
+    assert max(domains(_problem(MOE))["ep"]) <= MOE.num_experts
