@@ -73,8 +73,10 @@ def _outputs(u, plan, model, hw, job, params):
     return vec, vec
 
 
-#: (Jacobian [3 + n_terms, n_inputs], values at u = 0), compiled once per input shapes
-_jac_jit = jax.jit(jax.jacfwd(_outputs, has_aux=True))
+#: (Jacobian [3 + n_terms, n_inputs], values at u = 0). Deliberately not jitted: XLA takes ~30 s
+#: to compile the 39-wide forward-mode graph on CPU, while eager dispatch runs it in ~0.15 s once
+#: the per-primitive kernels are cached (a few seconds on the first call of a process).
+_jac_eager = jax.jacfwd(_outputs, has_aux=True)
 #: the same outputs without derivatives (for finite-difference checks)
 outputs_jit = jax.jit(lambda u, plan, model, hw, job, params: _outputs(u, plan, model, hw, job, params)[0])
 
@@ -89,7 +91,7 @@ def _params_f32(params: EfficiencyParams) -> EfficiencyParams:
 
 def jacobian(plan: Plan, inp: Inputs, params: EfficiencyParams) -> tuple[np.ndarray, np.ndarray]:
     u0 = jnp.zeros(len(INPUT_NAMES), dtype=jnp.float32)
-    jac, val = _jac_jit(u0, plan_arrays(plan), inp.model, inp.hw, inp.job, _params_f32(params))
+    jac, val = _jac_eager(u0, plan_arrays(plan), inp.model, inp.hw, inp.job, _params_f32(params))
     return np.asarray(jac, dtype=np.float64), np.asarray(val, dtype=np.float64)
 
 

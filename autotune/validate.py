@@ -21,13 +21,29 @@ from search_spaces.space import Problem
 
 from .search import NothingFits, NoLegalPlan, exhaustive
 
-# Families whose MLP is gated (SwiGLU: 3 matrices) and whose embeddings are untied, by name.
-_GATED_FAMILIES = ("llama", "mistral", "mixtral", "qwen", "deepseek", "gpt-oss", "gpt_oss")
+# Facts of model families, by name, for fields a source leaves out: whether the MLP is gated
+# (SwiGLU: 3 matrices; embeddings then untied) and the tokenizer's (padded) vocabulary.
+_FAMILIES = (
+    (re.compile(r"nemotron", re.I), {"gated": False, "vocab": 256000}),    # squared-ReLU, 256k SentencePiece
+    (re.compile(r"llama[ -_]?3", re.I), {"gated": True, "vocab": 128256}),
+    (re.compile(r"llama", re.I), {"gated": True, "vocab": 32000}),
+    (re.compile(r"mistral|mixtral", re.I), {"gated": True, "vocab": 32000}),
+    (re.compile(r"qwen", re.I), {"gated": True, "vocab": 151936}),
+    (re.compile(r"deepseek", re.I), {"gated": True, "vocab": 129280}),
+    (re.compile(r"gpt[-_ ]?oss", re.I), {"gated": True, "vocab": 201088}),
+    (re.compile(r"gpt|bloom|opt", re.I), {"gated": False, "vocab": 51200}),  # GPT-2 BPE padded to 128*k
+)
+
+
+def _family(name: str) -> dict:
+    for pattern, facts in _FAMILIES:
+        if pattern.search(name):
+            return facts
+    return {"gated": False, "vocab": 51200}
 
 
 def _family_gated(name: str) -> bool:
-    n = name.lower()
-    return any(f in n for f in _GATED_FAMILIES)
+    return _family(name)["gated"]
 
 
 def _matching_preset(m: dict) -> ModelSpec | None:
@@ -54,7 +70,7 @@ def model_from_row(m: dict) -> ModelSpec:
         num_attention_heads=int(m["heads"]),
         ffn_hidden_size=int(m.get("ffn_hidden") or (preset.ffn_hidden_size if preset else 4 * h)),
         num_kv_heads=int(m.get("kv_heads") or (preset.num_kv_heads if preset else m["heads"])),
-        vocab_size=int(m.get("vocab") or (preset.vocab_size if preset else 51200)),
+        vocab_size=int(m.get("vocab") or (preset.vocab_size if preset else _family(name)["vocab"])),
         gated_mlp=gated,
         tied_embeddings=preset.tied_embeddings if preset else not gated,
         max_seq_len=int(m.get("seq_len") or 4096),
@@ -89,10 +105,10 @@ class RowCase:
 _YEAR = re.compile(r"\b(20[0-4]\d)\b")
 
 
-def framework_uses_flash_attention(row: dict) -> bool:
-    """The framework default the run would have had (the README asks for framework defaults):
-    FlashAttention appeared in 2022 and Megatron-Core/NeMo use fused attention since; Megatron-LM
-    before 2022 had none, and Megatron-DeepSpeed leaves it off unless --use-flash-attn is given."""
+def framework_is_modern(row: dict) -> bool:
+    """The framework defaults the run would have had (the validation README asks for them):
+    FlashAttention (2022) and TE's TP-communication overlap (2023) are on in Megatron-Core / NeMo;
+    Megatron-LM before 2022 had neither, and Megatron-DeepSpeed leaves both off by default."""
     src = row.get("source") or {}
     text = f"{src.get('title', '')} {row.get('notes', '')}"
     if "megatron-deepspeed" in text.lower():
@@ -125,8 +141,9 @@ def case_from_row(row: dict) -> RowCase:
         raise SpecError("hardware.num_gpus", "not given")
     cluster = build_cluster(gpu=gpu_key, num_gpus=int(n),
                             gpus_per_node=int(hw["gpus_per_node"]) if hw.get("gpus_per_node") else None)
+    modern = framework_is_modern(row)
     job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision,
-                  flash_attention=framework_uses_flash_attention(row))
+                  flash_attention=modern, tp_comm_overlap=modern)
     fixed, filled = {}, []
     for knob, key in _KNOWN_PLAN.items():
         val = plan.get(key)

@@ -16,7 +16,9 @@ import sys
 from typing import Annotated, Any, Optional, Sequence
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 from typer import _click as click
@@ -191,6 +193,15 @@ def _plans_table(reports: list) -> Table:
     return table
 
 
+def _print_wide_table(con: Console, table: Table) -> None:
+    """Print a table whole: on a narrow terminal drop the borders and padding first, and if it is still
+    too wide let the terminal wrap its lines rather than cut every column to an ellipsis."""
+    unbounded = con.options.update_width(10_000)
+    if Measurement.get(con, unbounded, table).maximum > con.width:
+        table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0)
+    con.print(table, width=max(con.width, Measurement.get(con, unbounded, table).maximum))
+
+
 def _space_line(space: dict, elapsed_s: float) -> str:
     illegal = space.get("illegal") or {}
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(illegal.items(), key=lambda kv: -kv[1]))
@@ -287,7 +298,7 @@ def search(
         _print_json(report)
         return EXIT_OK
     con = _stdout_console()
-    con.print(_plans_table(report["top"]))
+    _print_wide_table(con, _plans_table(report["top"]))
     con.print()
     con.print(Text(report["explanation"]))
     con.print()

@@ -80,6 +80,7 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         gemm_bytes=1.0 if prec is Precision.FP8 else (0.5 if prec is Precision.FP4 else 2.0),
         low_precision=float(prec in (Precision.FP8, Precision.FP4)),
         flash=float(j.flash_attention),
+        tp_overlap=float(j.tp_comm_overlap),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
     )
     return {k: np.float32(v) for k, v in vals.items()}

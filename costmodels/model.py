@@ -134,11 +134,19 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     act_bytes = T * h * 2.0                                       # activations move in bf16
     # TP [N21 sec 2.3, K22 sec 4.2.2]: 2 all-reduces per layer fwd, or with SP 2 all-gathers +
     # 2 reduce-scatters of the same volume. MoE layers keep only the attention block's pair.
+    # With SP and TE userbuffers (job.tp_overlap) the collectives are split into chunks that run
+    # under the neighbouring GEMMs: a fraction of them hides, bounded by the GEMM time itself.
     t_tp_pair = C.all_reduce_s(act_bytes, tp, 1.0, H, link_eff, e.collective_latency_s)
-    t_tp_dense = 2.0 * t_tp_pair * (1.0 - e.tp_comm_overlap)
+    can_overlap = J["tp_overlap"] * sp
+
+    def tp_exposed(t_comm, t_gemm):
+        hidden = jnp.minimum(e.tp_comm_overlap * t_comm, t_gemm)
+        return t_comm - can_overlap * hidden
+
+    t_tp_dense = tp_exposed(2.0 * t_tp_pair, t_attn_proj + t_mlp_dense)
     etp_bytes = routed_tok * etp * h * 2.0
     t_etp = 2.0 * C.reduce_scatter_s(etp_bytes, etp, 1.0, H, link_eff, e.collective_latency_s)
-    t_tp_moe = (t_tp_pair + t_etp) * (1.0 - e.tp_comm_overlap)
+    t_tp_moe = tp_exposed(t_tp_pair + t_etp, t_attn_proj + t_mlp_moe)
     # CP ring attention [RA]: cp-1 exchanges of this rank's K,V block, hidden under attention
     kv_bytes = T * M["kv_exchange_elems"] / jnp.minimum(tp, M["kv_heads"]) * 2.0
     cp_bw, cp_lat = C.group_link(cp, tp, H, link_eff)
@@ -180,7 +188,8 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     t_logits_f = gemm(T, V / tp, h)
     t_loss = T * V / tp * 16.0 / bw_hbm                           # 4 fp32 passes over the logits
     t_embed = T * h * 6.0 / bw_hbm                                # lookup + fp32 scatter-add of grads
-    t_head = 3.0 * t_logits_f + t_loss + t_embed + 2.0 * t_tp_pair * (1.0 - e.tp_comm_overlap)
+    t_head_tp = 2.0 * t_tp_pair
+    t_head = 3.0 * t_logits_f + t_loss + t_embed + t_head_tp
 
     # ---------------- pipeline [N21 sec 2.2] ----------------
     pp_gt1 = (pp > 1).astype(jnp.float32)
@@ -299,9 +308,9 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
         "tokens_per_s": tokens / step,
         "model_flops": model_flops, "hw_flops": hw_flops,
         "num_gpus": n_gpus, "micro_batches": m,
-        "t_compute_s": m * (c_stage + t_head - 2.0 * t_tp_pair * (1.0 - e.tp_comm_overlap)),
+        "t_compute_s": m * (c_stage + t_head - t_head_tp),
         "t_recompute_s": m * r_stage,
-        "t_tp_comm_s": m * (tp_stage + 2.0 * t_tp_pair * (1.0 - e.tp_comm_overlap)),
+        "t_tp_comm_s": m * (tp_stage + t_head_tp),
         "t_cp_comm_s": m * cp_stage,
         "t_ep_comm_s": m * ep_stage,
         "t_pp_comm_s": pp_comm,

@@ -267,6 +267,8 @@ class JobSpec:
     seq_len: int                         # tokens per sequence
     precision: Precision = Precision.BF16
     flash_attention: bool = True         # fused (FlashAttention) vs unfused softmax attention
+    tp_comm_overlap: bool = True         # TE userbuffers: TP all-gather/reduce-scatter overlapped with
+                                         # GEMM chunks (Megatron-Core --tp-comm-overlap; needs SP)
 
     def __post_init__(self):
         _positive("global_batch", self.global_batch)

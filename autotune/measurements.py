@@ -1,0 +1,238 @@
+"""Measured runs for calibration: public-runs JSON split by GPU, and Megatron-LM training logs.
+
+Fitting itself is `autotune.calibrate` (Adam through the cost model); this module prepares its
+inputs, holds out a split, reports MAPE before and after, and writes/reads calibration files
+({"gpu": ..., "params": {...}, "fit": {...}}).
+
+Megatron-LM log format (megatron/training/training.py, `training_log` and `report_memory`):
+
+    [2024-05-01 10:00:00] iteration       20/    1000 | consumed samples:        10240 |
+        elapsed time per iteration (ms): 7350.2 | throughput per GPU (TFLOP/s/GPU): 402.7 |
+        learning rate: 1.5E-05 | global batch size:   512 | lm loss: 7.9E+00 | ...
+    [Rank 0] (after 10 iterations) memory (MB) | allocated: 18234.5 | max allocated: 61234.7 |
+        reserved: 64000.0 | max reserved: 64000.0
+
+(one line each). Other lines are ignored.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import statistics
+
+from costmodels.encode import encode_cluster, encode_job, encode_model
+from costmodels.params import EfficiencyParams, params_from_dict, params_to_dict
+from costmodels.plan import PLAN_FIELDS, Plan
+from costmodels.specs import SpecError
+from search_spaces.space import Problem
+
+from .calibrate import DEFAULT_FIT, FitCase, build_cases, calibrate, fit, mape_pct
+
+# ------------------------------------------------------------------------------------------------
+# Megatron-LM logs
+# ------------------------------------------------------------------------------------------------
+
+_ITER = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
+_MEM = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)")
+_NUM = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _fields(line: str, start: int) -> dict:
+    out = {}
+    for part in line[start:].split("|"):
+        if ":" in part:
+            k, v = part.split(":", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def _number(text: str | None, what: str, path: str, lineno: int) -> float:
+    if text is None:
+        raise SpecError("megatron-log", f"{path}:{lineno}: {what} missing from the line")
+    if not _NUM.match(text):
+        raise SpecError("megatron-log", f"{path}:{lineno}: {what} is not a number ({text!r})")
+    x = float(text)
+    if not math.isfinite(x) or x < 0:
+        raise SpecError("megatron-log", f"{path}:{lineno}: {what} must be a non-negative number ({text!r})")
+    return x
+
+
+def parse_megatron_log(text: str, path: str = "log") -> dict:
+    """Iteration and memory lines of a Megatron-LM log -> {"iterations": [...], "memory": [...]}.
+
+    A line that starts like an iteration or memory line but lacks a field or has a non-number raises
+    SpecError naming the line number; a log with no iteration line at all is an error too."""
+    iters, mems = [], []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        m = _ITER.search(line)
+        if m:
+            f = _fields(line, m.end())
+            it = {"line": lineno, "iteration": int(m.group(1)), "train_iters": int(m.group(2)),
+                  "elapsed_ms": _number(f.get("elapsed time per iteration (ms)"),
+                                        "'elapsed time per iteration (ms)'", path, lineno)}
+            if "throughput per GPU (TFLOP/s/GPU)" in f:
+                it["tflops_per_gpu"] = _number(f["throughput per GPU (TFLOP/s/GPU)"],
+                                               "'throughput per GPU (TFLOP/s/GPU)'", path, lineno)
+            if "global batch size" in f:
+                it["global_batch"] = int(_number(f["global batch size"], "'global batch size'", path, lineno))
+            if it["elapsed_ms"] <= 0:
+                raise SpecError("megatron-log", f"{path}:{lineno}: elapsed time per iteration must be > 0")
+            iters.append(it)
+            continue
+        m = _MEM.search(line)
+        if m:
+            f = _fields(line, m.end())
+            mem = {"line": lineno, "rank": int(m.group(1)), "after_iterations": int(m.group(2))}
+            for key in ("allocated", "max allocated", "reserved", "max reserved"):
+                if key in ("allocated", "max allocated") or key in f:
+                    mem[key.replace(" ", "_") + "_mb"] = _number(f.get(key), f"'{key}'", path, lineno)
+            mems.append(mem)
+    if not iters:
+        raise SpecError("megatron-log", f"{path}: no iteration lines ('iteration N/ M | ... | "
+                        "elapsed time per iteration (ms): X | ...') found")
+    return {"iterations": iters, "memory": mems}
+
+
+def read_megatron_log(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise SpecError("megatron-log", f"cannot read {path}: {exc.strerror or exc}") from None
+    return parse_megatron_log(text, path)
+
+
+def log_summary(parsed: dict) -> dict:
+    """Steady-state numbers: the median over iteration lines after the first (warm-up) one."""
+    its = parsed["iterations"]
+    steady = its[1:] if len(its) > 1 else its
+    out = {"n_iteration_lines": len(its), "n_used": len(steady),
+           "step_time_s": statistics.median(i["elapsed_ms"] for i in steady) / 1e3}
+    tf = [i["tflops_per_gpu"] for i in steady if "tflops_per_gpu" in i]
+    if tf:
+        out["tflops_per_gpu"] = statistics.median(tf)
+    gb = {i["global_batch"] for i in its if "global_batch" in i}
+    if gb:
+        out["global_batch"] = sorted(gb)[-1]
+    if parsed["memory"]:
+        out["max_reserved_gb"] = max((m.get("max_reserved_mb", 0.0) for m in parsed["memory"]), default=0.0) / 1e3
+        out["max_allocated_gb"] = max(m["max_allocated_mb"] for m in parsed["memory"]) / 1e3
+    return out
+
+
+def case_from_log(problem: Problem, plan: Plan, step_time_s: float, name: str = "megatron-log") -> FitCase:
+    p = {f: int(getattr(plan, f)) for f in PLAN_FIELDS}
+    return FitCase(id=name, group=name, plan=p, model=encode_model(problem.model),
+                   hw=encode_cluster(problem.cluster), job=encode_job(problem.job, problem.cluster),
+                   measured_step_s=float(step_time_s))
+
+
+def calibrate_from_log(problem: Problem, plan: Plan, parsed: dict, params: EfficiencyParams | None = None,
+                       *, steps: int = 400, log_path: str = "log") -> dict:
+    """Fit to one measured plan (the log's steady step time). One run pins one number, so the
+    prior of `fit` keeps the parameters that it cannot identify at their starting values."""
+    params = params or EfficiencyParams()
+    summ = log_summary(parsed)
+    if "global_batch" in summ and summ["global_batch"] != problem.job.global_batch:
+        raise SpecError("global-batch", f"the log says global batch size {summ['global_batch']}, "
+                        f"but --global-batch is {problem.job.global_batch}")
+    cases = [case_from_log(problem, plan, summ["step_time_s"])]
+    before = mape_pct(cases, params)
+    fitted = fit(cases, params, DEFAULT_FIT, steps=steps)
+    after = mape_pct(cases, fitted)
+    return {"gpu": problem.cluster.gpu.name, "params": params_to_dict(fitted),
+            "fit": {"source": log_path, "kind": "megatron-log", "log": summ, "plan": plan.as_dict(),
+                    "n_train": 1, "n_holdout": 0, "mape_train_before_pct": before,
+                    "mape_train_after_pct": after, "mape_holdout_before_pct": None,
+                    "mape_holdout_after_pct": None, "fitted": list(DEFAULT_FIT)}}
+
+
+# ------------------------------------------------------------------------------------------------
+# Public-runs JSON
+# ------------------------------------------------------------------------------------------------
+
+def rows_for_gpu(rows: list, gpu: str) -> list:
+    return [r for r in rows if isinstance(r, dict) and (r.get("hardware") or {}).get("gpu_key") == gpu]
+
+
+def split_rows(rows: list, holdout_frac: float, seed: int) -> tuple[list, list]:
+    if not 0.0 <= holdout_frac < 1.0:
+        raise SpecError("holdout-frac", f"must be in [0, 1), got {holdout_frac!r}")
+    idx = list(range(len(rows)))
+    random.Random(seed).shuffle(idx)
+    n_hold = int(round(holdout_frac * len(rows)))
+    if n_hold >= len(rows):
+        n_hold = len(rows) - 1
+    hold = sorted(idx[:n_hold])
+    train = sorted(idx[n_hold:])
+    return [rows[i] for i in train], [rows[i] for i in hold]
+
+
+def calibrate_runs(rows: list, gpu: str, *, holdout_frac: float = 0.2, seed: int = 0,
+                   params: EfficiencyParams | None = None, rounds: int = 2, steps: int = 400,
+                   source: str = "measurements") -> dict:
+    """Fit on the runs of one GPU (a held-out share kept aside) and report MAPE before and after."""
+    params = params or EfficiencyParams()
+    mine = [r for r in rows_for_gpu(rows, gpu) if r.get("usable", True)]
+    if not mine:
+        gpus = sorted({(r.get("hardware") or {}).get("gpu_key") for r in rows if isinstance(r, dict)} - {None})
+        raise SpecError("gpu", f"no usable run for GPU {gpu!r} in {source} (GPUs there: {', '.join(gpus) or 'none'})")
+    train, hold = split_rows(mine, holdout_frac, seed)
+    fitted, train_cases = calibrate(train, params, rounds=rounds, steps=steps)
+    before_train = mape_pct(build_cases(train, params), params)
+    after_train = mape_pct(train_cases, fitted)
+    before_hold = mape_pct(build_cases(hold, params), params) if hold else None
+    after_hold = mape_pct(build_cases(hold, fitted), fitted) if hold else None
+    clean = lambda x: None if x is None or (isinstance(x, float) and math.isnan(x)) else x   # noqa: E731
+    return {"gpu": gpu, "params": params_to_dict(fitted),
+            "fit": {"source": source, "kind": "runs", "holdout_frac": holdout_frac, "seed": seed,
+                    "rounds": rounds, "steps": steps,
+                    "n_train": len(train_cases), "n_holdout": len(build_cases(hold, fitted)) if hold else 0,
+                    "train_ids": [r.get("id") for r in train], "holdout_ids": [r.get("id") for r in hold],
+                    "mape_train_before_pct": clean(before_train), "mape_train_after_pct": clean(after_train),
+                    "mape_holdout_before_pct": clean(before_hold), "mape_holdout_after_pct": clean(after_hold),
+                    "fitted": list(DEFAULT_FIT)}}
+
+
+# ------------------------------------------------------------------------------------------------
+# Calibration files
+# ------------------------------------------------------------------------------------------------
+
+def write_calibration(doc: dict, path: str) -> None:
+    try:
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=2)
+            fh.write("\n")
+    except OSError as exc:
+        raise SpecError("output", f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def read_calibration(path: str) -> tuple[EfficiencyParams, dict]:
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except OSError as exc:
+        raise SpecError("calibration", f"cannot read {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SpecError("calibration", f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("params", {}), dict):
+        raise SpecError("calibration", f"{path} must hold an object with a \"params\" object")
+    try:
+        return params_from_dict(doc.get("params", {})), doc
+    except (ValueError, TypeError) as exc:
+        raise SpecError("calibration", f"{path}: {exc}") from None
+
+
+def calibration_for_gpu(path: str | None, gpu: str) -> tuple[EfficiencyParams, str]:
+    """Parameters from a calibration file, refused when it was fitted for another GPU."""
+    if not path:
+        return EfficiencyParams(), "defaults"
+    params, doc = read_calibration(path)
+    file_gpu = doc.get("gpu")
+    if file_gpu is not None and str(file_gpu).lower() != str(gpu).lower():
+        raise SpecError("calibration", f"{path} was fitted for GPU {file_gpu!r}, but this problem runs on "
+                        f"{gpu!r}; fit one for {gpu} with `autotune calibrate RUNS.json --gpu {gpu} -o FILE`")
+    return params, path
+

@@ -1,0 +1,455 @@
+"""The plan knobs as Optuna distributions, sampled define-by-run so that no illegal plan is proposed.
+
+Everything here derives from `search_spaces.space`: the knobs and their order (`KNOBS`, dp derived),
+their candidate values (`domains`), and legality (`RULES`, through `enumerate_legal`). Nothing
+restates a rule.
+
+How a trial is sampled (one GPU count, or a GPU range where the count is the first knob):
+
+1. Each knob has one fixed Optuna distribution for the whole study: `IntDistribution(low, high,
+   log)` over the span of its domain (log scale when the domain spans a factor >= 4, e.g. tp 1..64;
+   linear for recompute 0..2, sp 0..1, zero 0..3; recompute holds `Recompute` enum values). Fixed
+   distributions keep multivariate TPE, NSGA-II and CMA-ES working on the whole space.
+2. The knobs are suggested in `KNOBS` order (gpus first when it is a range): tp, cp, pp, ep, etp,
+   vpp, mbs, recompute, sp, zero. Given the knobs chosen so far, the legal values of the next one
+   are those that some legal plan has with the same prefix (so every prefix extends to a legal plan,
+   never a dead end): a lookup in the lexicographically sorted table of legal plans.
+3. `LegalSampler` wraps any Optuna sampler and projects each value it proposes onto the nearest legal
+   value (in log space for log knobs) before Optuna records it. So every recorded trial parameter is
+   a legal plan's value; the base sampler still learns from real knob values.
+
+A GPU range ("256-2048") is a `GpuRange`: by default the counts in it that are whole nodes (a
+multiple of the node size, or a divisor of it below one node); "256-2048:64" takes every 64th count
+(a multiple of the node size); "256-2048:pow2" takes the powers of two in the range.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import optuna
+from optuna.distributions import BaseDistribution, IntDistribution
+from optuna.samplers import BaseSampler
+from optuna.trial import FrozenTrial
+
+from costmodels.plan import PLAN_FIELDS, PlanBatch
+from costmodels.specs import SpecError
+
+from .space import KNOBS, Problem, SpaceStats, domains, enumerate_legal
+
+#: The parameter name of the GPU count when it is a knob.
+GPUS = "gpus"
+#: The sampled plan knobs, in sampling order (dp is derived: gpus / (tp*cp*pp)).
+SAMPLED = tuple(k for k in KNOBS if k != "dp")
+#: How many per-count tables of legal plans stay in memory (a GPU range may visit many counts).
+TABLE_CACHE = 32
+
+
+# ------------------------------------------------------------------------------------------------
+# The GPU count: one number or a range
+# ------------------------------------------------------------------------------------------------
+
+_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*(?::\s*([A-Za-z0-9]+)\s*)?$")
+
+
+@dataclass(frozen=True)
+class GpuRange:
+    """GPU counts from `low` to `high`: whole nodes, every `step`-th count, or the powers of two."""
+    low: int
+    high: int
+    step: int | None = None          # None: whole nodes (multiples of the node size)
+    pow2: bool = False
+
+    def __str__(self) -> str:
+        suffix = ":pow2" if self.pow2 else (f":{self.step}" if self.step else "")
+        return f"{self.low}-{self.high}{suffix}"
+
+    def counts(self, node_size: int) -> tuple[int, ...]:
+        """The GPU counts of the range for nodes of `node_size` GPUs (an error names the field)."""
+        if self.pow2:
+            out = [1 << k for k in range(0, 31) if self.low <= (1 << k) <= self.high]
+            rule = "powers of two"
+        elif self.step:
+            if self.step % node_size and self.high > node_size:
+                raise SpecError("gpus", f"range step {self.step} must be a multiple of the node size "
+                                f"{node_size} (whole nodes), e.g. {str(GpuRange(self.low, self.high, node_size))}")
+            first = -(-self.low // self.step) * self.step
+            out = list(range(max(first, self.step), self.high + 1, self.step))
+            rule = f"multiples of {self.step}"
+        else:
+            out = [c for c in range(self.low, min(self.high, node_size - 1) + 1) if node_size % c == 0]
+            first = -(-max(self.low, node_size) // node_size) * node_size
+            out += list(range(first, self.high + 1, node_size))
+            rule = f"whole nodes of {node_size} GPUs"
+        if not out:
+            raise SpecError("gpus", f"the range {self} holds no GPU count ({rule}); widen it, e.g. "
+                            f"{self.low}-{max(self.high, self.low + 2 * node_size)}")
+        return tuple(out)
+
+
+def parse_gpus(text, field_name: str = "gpus") -> int | GpuRange:
+    """An integer GPU count, or a range "LOW-HIGH", "LOW-HIGH:STEP" or "LOW-HIGH:pow2"."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise SpecError(field_name, f"must be a positive integer, got {text}")
+        return text
+    s = str(text).strip()
+    if s.isdigit():
+        return parse_gpus(int(s), field_name)
+    m = _RANGE.match(s)
+    if not m:
+        raise SpecError(field_name, f"expected a GPU count (512) or a range (256-2048, 256-2048:64, "
+                        f"256-2048:pow2), got {text!r}")
+    low, high, suffix = int(m.group(1)), int(m.group(2)), m.group(3)
+    if low < 1 or low > high:
+        raise SpecError(field_name, f"the range {s} is empty: give LOW-HIGH with 1 <= LOW <= HIGH")
+    if suffix is None:
+        return GpuRange(low, high)
+    if suffix.lower() in ("pow2", "x2"):
+        return GpuRange(low, high, pow2=True)
+    if suffix.isdigit() and int(suffix) > 0:
+        return GpuRange(low, high, step=int(suffix))
+    raise SpecError(field_name, f"unknown range step {suffix!r} in {s}; use a positive integer or pow2")
+
+
+# ------------------------------------------------------------------------------------------------
+# Legal plans of one GPU count, sorted for prefix look-ups
+# ------------------------------------------------------------------------------------------------
+
+class _Table:
+    """The legal plans of one problem as int16 rows in SAMPLED order, sorted lexicographically.
+
+    With the first j knobs fixed, the rows form one contiguous slice and column j inside it is
+    sorted, so the legal values of the next knob are the distinct values of that slice.
+    """
+
+    def __init__(self, problem: Problem, fixed: dict | None):
+        stream, stats = enumerate_legal(problem, fixed)
+        parts = [np.stack([np.asarray(b[k], dtype=np.int16) for k in SAMPLED], axis=1) for b in stream]
+        rows = np.concatenate(parts) if parts else np.empty((0, len(SAMPLED)), dtype=np.int16)
+        order = np.lexsort(rows.T[::-1]) if len(rows) else np.empty(0, dtype=np.int64)
+        self.rows = rows[order]
+        self.stats: SpaceStats = stats
+        self._cache: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def narrow(self, lo: int, hi: int, j: int, value: int) -> tuple[int, int]:
+        col = self.rows[lo:hi, j]
+        return lo + int(np.searchsorted(col, value, "left")), lo + int(np.searchsorted(col, value, "right"))
+
+    def slice_of(self, prefix: tuple) -> tuple[int, int]:
+        """Rows whose first len(prefix) knobs equal `prefix` (cached)."""
+        if not prefix:
+            return 0, len(self.rows)
+        hit = self._cache.get(prefix)
+        if hit is None:
+            lo, hi = self.slice_of(prefix[:-1])
+            hit = self.narrow(lo, hi, len(prefix) - 1, prefix[-1]) if hi > lo else (lo, lo)
+            self._cache[prefix] = hit
+        return hit
+
+    def values(self, prefix: tuple) -> np.ndarray:
+        """Legal values of knob number len(prefix) after `prefix`, sorted."""
+        lo, hi = self.slice_of(prefix)
+        col = self.rows[lo:hi, len(prefix)]
+        if len(col) == 0:
+            return col
+        return col[np.concatenate(([True], col[1:] != col[:-1]))]
+
+    def batch(self, gpus: int) -> PlanBatch:
+        arrays = {k: self.rows[:, i].astype(np.int32) for i, k in enumerate(SAMPLED)}
+        arrays["dp"] = (gpus // (arrays["tp"] * arrays["cp"] * arrays["pp"])).astype(np.int32)
+        return PlanBatch({f: arrays[f] for f in PLAN_FIELDS})
+
+
+def _nearest(values: np.ndarray, x: float, log: bool) -> int:
+    """The element of sorted `values` nearest to x (in log space if `log`); ties go to the smaller."""
+    v = values.astype(np.float64)
+    if log:
+        d = np.abs(np.log(np.maximum(v, 1e-9)) - math.log(max(float(x), 1e-9)))
+    else:
+        d = np.abs(v - float(x))
+    return int(values[int(np.argmin(d))])
+
+
+class IllegalParams(ValueError):
+    """Trial parameters (e.g. enqueued by hand) that are not a legal plan."""
+
+
+# ------------------------------------------------------------------------------------------------
+# The space
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class PlanSpace:
+    """The legal plans of one problem, or of one problem per GPU count of a range, for Optuna.
+
+    `problem_for(n)` builds the problem for n GPUs; `counts` are the GPU counts (one for a fixed
+    cluster); `fixed` pins knobs to one value (as in `enumerate_legal`).
+    """
+    problem_for: Callable[[int], Problem]
+    counts: tuple
+    fixed: dict = field(default_factory=dict)
+    distributions: dict = field(init=False)      # param name -> IntDistribution (sampling order)
+    constants: dict = field(init=False)          # knobs with a single value in every count
+    _tables: OrderedDict = field(init=False, default_factory=OrderedDict)
+    _problems: dict = field(init=False, default_factory=dict)
+    _nonempty: dict = field(init=False, default_factory=dict)
+
+    def __post_init__(self):
+        self.counts = tuple(sorted(set(int(c) for c in self.counts)))
+        if not self.counts:
+            raise SpecError("gpus", "no GPU count to search")
+        values: dict = {k: set() for k in SAMPLED}
+        for n in self.counts:
+            for k, dom in domains(self.problem(n), self.fixed).items():
+                values[k].update(dom)
+        self.distributions = {}
+        self.constants = {}
+        if self.is_range:
+            self.distributions[GPUS] = _int_distribution(self.counts)
+        for k in SAMPLED:
+            vals = sorted(values[k])
+            if len(vals) == 1:
+                self.constants[k] = vals[0]
+            else:
+                self.distributions[k] = _int_distribution(vals)
+
+    @classmethod
+    def single(cls, problem: Problem, fixed: dict | None = None) -> "PlanSpace":
+        n = problem.cluster.num_gpus
+        return cls(problem_for=lambda _n: problem, counts=(n,), fixed=dict(fixed or {}))
+
+    # ---- problems and tables ----
+    @property
+    def is_range(self) -> bool:
+        return len(self.counts) > 1
+
+    def problem(self, n: int) -> Problem:
+        if n not in self._problems:
+            self._problems[n] = self.problem_for(n)
+        return self._problems[n]
+
+    def table(self, n: int) -> _Table:
+        t = self._tables.get(n)
+        if t is None:
+            t = _Table(self.problem(n), self.fixed)
+            self._tables[n] = t
+            self._nonempty[n] = len(t) > 0
+            while len(self._tables) > TABLE_CACHE:
+                self._tables.popitem(last=False)
+        else:
+            self._tables.move_to_end(n)
+        return t
+
+    def has_legal(self, n: int) -> bool:
+        if n not in self._nonempty:
+            self.table(n)
+        return self._nonempty[n]
+
+    def stats(self, n: int) -> SpaceStats:
+        return self.table(n).stats
+
+    def legal_plans(self, n: int) -> PlanBatch:
+        """Every legal plan for n GPUs (the same set as `enumerate_legal`), sorted."""
+        return self.table(n).batch(n)
+
+    def known_stats(self) -> dict:
+        """Space statistics summed over the GPU counts whose plans were enumerated so far."""
+        total = legal = 0
+        illegal: dict = {}
+        seen = [n for n in self.counts if n in self._nonempty]
+        for n in seen:
+            if n in self._tables:
+                st = self._tables[n].stats
+                total += st.total
+                legal += st.legal
+                for k, v in (st.illegal or {}).items():
+                    illegal[k] = illegal.get(k, 0) + v
+        return {"total": total, "legal": legal, "illegal": dict(sorted(illegal.items())),
+                "gpu_counts": len(self.counts), "gpu_counts_enumerated": len(seen)}
+
+    # ---- legal values, projection, define-by-run ----
+    def param_names(self) -> tuple:
+        return tuple(self.distributions)
+
+    def _split(self, params: dict) -> tuple[int | None, tuple]:
+        """(gpu count or None, prefix of knob values in SAMPLED order) from partial params."""
+        if self.is_range:
+            if GPUS not in params:
+                return None, ()
+            n = int(params[GPUS])
+        else:
+            n = self.counts[0]
+        prefix = []
+        for k in SAMPLED:
+            if k in self.constants:
+                prefix.append(self.constants[k])
+            elif k in params:
+                prefix.append(int(params[k]))
+            else:
+                break
+        return n, tuple(prefix)
+
+    def legal_values(self, name: str, params: dict) -> np.ndarray:
+        """Legal values of knob `name` given the knobs before it in `params` (sampling order)."""
+        if name == GPUS:
+            return np.array([n for n in self.counts if self.has_legal(n)], dtype=np.int64)
+        n, prefix = self._split(params)
+        j = SAMPLED.index(name)
+        if n is None or len(prefix) < j:
+            missing = [k for k in (((GPUS,) if self.is_range else ()) + SAMPLED[:j])
+                       if k not in params and k not in self.constants]
+            raise IllegalParams(f"{name} is sampled after {', '.join(missing)}")
+        return self.table(n).values(prefix[:j]).astype(np.int64)
+
+    def project(self, name: str, value, params: dict) -> int:
+        """The legal value of `name` nearest to `value`, given the knobs before it."""
+        if name == GPUS:
+            return self._project_gpus(value)
+        legal = self.legal_values(name, params)
+        if len(legal) == 0:
+            raise IllegalParams(f"no legal value of {name} after {params}")
+        return _nearest(legal, value, self.distributions[name].log if name in self.distributions else False)
+
+    def _project_gpus(self, value) -> int:
+        order = sorted(self.counts, key=lambda c: (abs(math.log(c) - math.log(max(float(value), 1.0))), c))
+        for n in order:
+            if self.has_legal(n):
+                return n
+        raise IllegalParams("no GPU count of the range has a legal plan")
+
+    def project_params(self, params: dict) -> dict:
+        """Project a joint proposal knob by knob, in sampling order; stop at the first missing knob
+        (the knobs after it depend on it and are sampled on their own)."""
+        out: dict = {}
+        for name in self.distributions:
+            if name not in params:
+                break
+            out[name] = self.project(name, params[name], out)
+        return out
+
+    def suggest(self, trial: optuna.trial.BaseTrial) -> tuple[int, dict]:
+        """Define-by-run: suggest every knob in order; returns (gpu count, plan knobs incl. dp).
+
+        With `LegalSampler` every suggested value is legal already; a value that is not (a trial
+        enqueued by hand) raises IllegalParams.
+        """
+        values: dict = {}
+        for name, dist in self.distributions.items():
+            values[name] = trial.suggest_int(name, dist.low, dist.high, log=dist.log)
+            legal = self.legal_values(name, values)
+            if int(values[name]) not in set(legal.tolist()):
+                raise IllegalParams(f"{name}={values[name]} is not legal here; legal: {legal.tolist()}")
+        return self.plan_from_params(values)
+
+    def plan_from_params(self, params: dict) -> tuple[int, dict]:
+        n = int(params[GPUS]) if self.is_range else self.counts[0]
+        plan = {k: int(params[k]) if k in params else int(self.constants[k]) for k in SAMPLED}
+        plan["dp"] = n // (plan["tp"] * plan["cp"] * plan["pp"])
+        return n, {f: plan[f] for f in PLAN_FIELDS}
+
+    def params_of(self, n: int, plan: dict) -> dict:
+        """Trial parameters of a plan (the inverse of `plan_from_params`)."""
+        out = {GPUS: int(n)} if self.is_range else {}
+        out.update({k: int(plan[k]) for k in SAMPLED if k in self.distributions})
+        return out
+
+    def iter_legal(self) -> Iterator[tuple[int, PlanBatch]]:
+        for n in self.counts:
+            if self.has_legal(n):
+                yield n, self.legal_plans(n)
+
+
+def _int_distribution(values) -> IntDistribution:
+    lo, hi = int(min(values)), int(max(values))
+    return IntDistribution(lo, hi, log=bool(lo >= 1 and hi >= 4 * lo))
+
+
+# ------------------------------------------------------------------------------------------------
+# Samplers that never propose an illegal plan
+# ------------------------------------------------------------------------------------------------
+
+class LegalSampler(BaseSampler):
+    """Wraps an Optuna sampler; every value it proposes is projected onto the legal plans."""
+
+    def __init__(self, base: BaseSampler, space: PlanSpace):
+        self.base = base
+        self.space = space
+
+    def __str__(self) -> str:
+        return f"Legal({self.base})"
+
+    def infer_relative_search_space(self, study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        return self.base.infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study, trial: FrozenTrial, search_space: dict) -> dict:
+        proposal = self.base.sample_relative(study, trial, search_space)
+        if not proposal:
+            return {}
+        projected = self.space.project_params(proposal)
+        return {k: v for k, v in projected.items() if k in search_space}
+
+    def sample_independent(self, study, trial: FrozenTrial, param_name: str,
+                           param_distribution: BaseDistribution):
+        value = self.base.sample_independent(study, trial, param_name, param_distribution)
+        if param_name not in self.space.distributions:
+            return value
+        return self.space.project(param_name, value, trial.params)
+
+    def before_trial(self, study, trial: FrozenTrial) -> None:
+        self.base.before_trial(study, trial)
+
+    def after_trial(self, study, trial: FrozenTrial, state, values) -> None:
+        self.base.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self.base.reseed_rng()
+
+
+class LegalGridSampler(BaseSampler):
+    """The exhaustive grid over the legal plans (all GPU counts), in a seeded random order.
+
+    Trial number i takes plan i of the permuted enumeration, so workers sharing a study never
+    repeat a plan; `size` is the number of plans (the runner stops there).
+    """
+
+    def __init__(self, space: PlanSpace, seed: int | None = None):
+        self.space = space
+        self._offsets = []
+        total = 0
+        for n in space.counts:
+            size = len(space.table(n)) if space.has_legal(n) else 0
+            self._offsets.append((total, n, size))
+            total += size
+        self.size = total
+        self._order = np.random.default_rng(seed).permutation(total) if total else np.empty(0, np.int64)
+
+    def __str__(self) -> str:
+        return "LegalGrid"
+
+    def params_at(self, i: int) -> dict:
+        k = int(self._order[i % max(self.size, 1)])
+        for start, n, size in self._offsets:
+            if start <= k < start + size:
+                row = self.space.table(n).rows[k - start]
+                return self.space.params_of(n, {name: int(v) for name, v in zip(SAMPLED, row)})
+        raise IndexError(i)
+
+    def infer_relative_search_space(self, study, trial):
+        return dict(self.space.distributions)
+
+    def sample_relative(self, study, trial, search_space):
+        if self.size == 0:
+            return {}
+        return {k: v for k, v in self.params_at(trial.number).items() if k in search_space}
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        # only reached for a parameter outside the space (never, with PlanSpace.suggest)
+        return self.space.project(param_name, param_distribution.low, trial.params)
