@@ -193,7 +193,7 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
 
     # ---------------- pipeline [N21 sec 2.2] ----------------
     pp_gt1 = (pp > 1).astype(jnp.float32)
-    bubble = pp_gt1 * (pp - 1.0) / v * t_stage
+    bubble = pp_gt1 * (pp - 1.0) / v * t_stage                   # (m + pp - 1) slots for 1F1B, also m < pp
     p2p_bytes = T * h * 2.0 / tp                                  # scatter/gather optimization [N21 4.1]
     t_p2p = C.p2p_s(p2p_bytes, tp * cp * dp, pp, H, link_eff)
     n_p2p = 2.0 * v * m + 2.0 * (pp - 1.0)
@@ -290,7 +290,7 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     act_full = 2.0 * T * h / jnp.where(sp > 0, tp, 1.0)
     act_layer = rec_full * act_full + rec_sel * act_sel + (1.0 - rec_full - rec_sel) * act_none
     working = rec_full * act_none                                 # one layer re-materialized in backward
-    inflight_first = jnp.where(v > 1, pp + (pp - 1.0) / v, pp)
+    inflight_first = jnp.where(v > 1, pp + (pp - 1.0) / v, jnp.minimum(m, pp))
     inflight_last = jnp.where(v > 1, 1.0 + (pp - 1.0) / v, 1.0)
     logits_mem = T * V / tp * e.logits_bytes_per_elem
     act_first = n_stage * act_layer * inflight_first + working + jnp.where(pp > 1, 0.0, logits_mem)

@@ -29,6 +29,7 @@ CLUSTER_DIR = PRESET_DIR / "clusters"
 
 TERA = 1e12
 GIGA = 1e9
+RACK_SCALE_DOMAIN = 8      # NVLink domains larger than a DGX node are racks (NVL72)
 GIBI = 2.0 ** 30   # HBM capacities are printed in GB but are binary: an "80 GB" H100 shows 81,559 MiB
 MICRO = 1e-6
 MILLI = 1e-3
@@ -463,6 +464,10 @@ def build_cluster(*, gpu: str | None = None, num_gpus: int | None = None,
 
     domain, domain_source = _domain_size(gpus_per_node, file, gpu_spec)
     per_site = gpus // site_fields["num_sites"]
+    if per_site > domain and per_site % domain and domain > RACK_SCALE_DOMAIN:
+        # rack-scale NVLink (NVL72): a job takes an equal share of each rack it uses, e.g. 256 GPUs
+        # as 4 racks x 64; the job's NVLink domain is that share
+        domain = max(d for d in range(1, domain + 1) if per_site % d == 0)
     if per_site > domain and per_site % domain:
         where, what = (("cluster.sites.gpus_per_site", f"{per_site} GPUs per site")
                        if site_fields["num_sites"] > 1 else (gpus_field, f"{gpus} GPUs"))

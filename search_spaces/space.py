@@ -3,8 +3,8 @@
 One definition of each knob (`KNOBS`) and each rule (`RULES`) serves enumeration, the check of a
 single user-given plan, Optuna's distributions and the report columns. Rules follow Megatron-Core's
 argument checks (megatron/training/arguments.py, core/parallel_state.py): world size = tp*cp*pp*dp;
-tp divides heads and KV heads; pp*vpp stages hold at least one layer each; micro-batches are whole,
->= pp, and a multiple of pp when interleaving; expert layers fold ep*etp into tp*cp*dp; cp splits
+tp divides heads and KV heads; pp*vpp stages hold at least one layer each; micro-batches are whole
+(1F1B accepts fewer than pp, with a larger bubble) and a multiple of pp when interleaving; expert layers fold ep*etp into tp*cp*dp; cp splits
 the sequence into 2*cp chunks for load-balanced causal attention.
 """
 from __future__ import annotations
@@ -91,9 +91,10 @@ RULES: tuple[Rule, ...] = (
          lambda a, p: f"vpp={_v(a,'vpp')} (interleaved schedule) needs pp >= 2"),
     Rule("batch_divisible", lambda a, p: p.job.global_batch % (a["dp"] * a["mbs"]) == 0,
          lambda a, p: f"global_batch={p.job.global_batch} must divide by dp*mbs = {_v(a,'dp')}*{_v(a,'mbs')}"),
-    Rule("microbatches_ge_pp", lambda a, p: _mb(a, p) >= a["pp"],
-         lambda a, p: f"{_v({'m': _mb(a, p)}, 'm')} micro-batches per step (global_batch/(dp*mbs)) must be "
-                      f">= pp={_v(a,'pp')}"),
+    Rule("microbatches", lambda a, p: _mb(a, p) >= 1,
+         lambda a, p: f"global_batch={p.job.global_batch} gives no whole micro-batch for dp*mbs = "
+                      f"{_v(a,'dp')*_v(a,'mbs')}"),
+    # 1F1B runs with fewer micro-batches than stages (a larger bubble); interleaving needs a multiple
     Rule("interleave_microbatches", lambda a, p: (a["vpp"] == 1) | (_mb(a, p) % a["pp"] == 0),
          lambda a, p: f"with vpp={_v(a,'vpp')} the micro-batch count {_v({'m': _mb(a, p)}, 'm')} must be a "
                       f"multiple of pp={_v(a,'pp')}"),
