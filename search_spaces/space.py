@@ -85,6 +85,17 @@ RULES: tuple[Rule, ...] = (
     Rule("cp_seq", lambda a, p: (a["cp"] == 1) | (p.job.seq_len % (2 * a["cp"]) == 0),
          lambda a, p: f"cp={_v(a,'cp')}: seq_len={p.job.seq_len} must divide by 2*cp={2*_v(a,'cp')} "
                       f"(load-balanced causal chunks)"),
+    Rule("ep_experts", lambda a, p: (a["ep"] == 1) | ((p.model.num_experts > 0)
+                                                     & (p.model.num_experts % np.maximum(a["ep"], 1) == 0)),
+         lambda a, p: (f"ep={_v(a,'ep')} must divide the number of experts {p.model.num_experts}" if p.model.is_moe
+                       else f"ep={_v(a,'ep')} needs a Mixture-of-Experts model ({p.model.name} is dense)")),
+    Rule("ep_fold", lambda a, p: (a["tp"] * a["cp"] * a["dp"]) % (a["ep"] * a["etp"]) == 0,
+         lambda a, p: f"ep*etp = {_v(a,'ep')*_v(a,'etp')} must divide tp*cp*dp = "
+                      f"{_v(a,'tp')*_v(a,'cp')*_v(a,'dp')} (MoE parallel folding)"),
+    Rule("etp_ffn", lambda a, p: (a["etp"] == 1) | ((p.model.num_experts > 0)
+                                                & (max(p.model.moe_ffn_hidden_size, 1) % np.maximum(a["etp"], 1) == 0)),
+         lambda a, p: (f"etp={_v(a,'etp')} must divide the expert FFN size {p.model.moe_ffn_hidden_size}"
+                       if p.model.is_moe else f"etp={_v(a,'etp')} needs a Mixture-of-Experts model")),
     Rule("pp_layers", lambda a, p: a["pp"] * a["vpp"] <= p.model.num_layers,
          lambda a, p: f"pp*vpp = {_v(a,'pp')*_v(a,'vpp')} stages exceed num_layers={p.model.num_layers}"),
     Rule("vpp_needs_pp", lambda a, p: (a["vpp"] == 1) | (a["pp"] >= 2),
@@ -106,29 +117,26 @@ RULES: tuple[Rule, ...] = (
          lambda a, p: f"zero={_v(a,'zero')} shards over dp*cp = 1: use zero=0"),
     Rule("zero23_no_pp", lambda a, p: (a["zero"] < 2) | (a["pp"] == 1),
          lambda a, p: f"zero={_v(a,'zero')} (gradient/parameter sharding) cannot be combined with pp={_v(a,'pp')} > 1"),
-    Rule("ep_experts", lambda a, p: (a["ep"] == 1) | ((p.model.num_experts > 0)
-                                                     & (p.model.num_experts % np.maximum(a["ep"], 1) == 0)),
-         lambda a, p: (f"ep={_v(a,'ep')} must divide the number of experts {p.model.num_experts}" if p.model.is_moe
-                       else f"ep={_v(a,'ep')} needs a Mixture-of-Experts model ({p.model.name} is dense)")),
-    Rule("ep_fold", lambda a, p: (a["tp"] * a["cp"] * a["dp"]) % (a["ep"] * a["etp"]) == 0,
-         lambda a, p: f"ep*etp = {_v(a,'ep')*_v(a,'etp')} must divide tp*cp*dp = "
-                      f"{_v(a,'tp')*_v(a,'cp')*_v(a,'dp')} (MoE parallel folding)"),
-    Rule("etp_ffn", lambda a, p: (a["etp"] == 1) | ((p.model.num_experts > 0)
-                                                & (max(p.model.moe_ffn_hidden_size, 1) % np.maximum(a["etp"], 1) == 0)),
-         lambda a, p: (f"etp={_v(a,'etp')} must divide the expert FFN size {p.model.moe_ffn_hidden_size}"
-                       if p.model.is_moe else f"etp={_v(a,'etp')} needs a Mixture-of-Experts model")),
 )
 
 
-def check_rows(arrays: dict, problem: Problem) -> tuple[np.ndarray, dict]:
-    """Legal mask and, for illegal rows, the first rule each breaks (counted by rule name)."""
+#: rules that read only the mesh knobs (tp, cp, pp, dp, ep, etp); they come first in RULES, so
+#: enumeration can apply them to the small outer grid before expanding the inner knobs
+MESH_RULES = ("gpus", "tp_heads", "cp_seq", "ep_experts", "ep_fold", "etp_ffn")
+assert tuple(r.name for r in RULES[:len(MESH_RULES)]) == MESH_RULES
+
+
+def check_rows(arrays: dict, problem: Problem, rules: tuple = RULES,
+               multiplicity: int = 1) -> tuple[np.ndarray, dict]:
+    """Legal mask and, for illegal rows, the first rule each breaks (counted by rule name, each
+    row standing for `multiplicity` plans)."""
     n = len(arrays["tp"])
     legal = np.ones(n, dtype=bool)
     counts: dict = {}
-    for rule in RULES:
+    for rule in rules:
         ok = np.broadcast_to(np.asarray(rule.ok(arrays, problem), dtype=bool), (n,))
         newly_bad = legal & ~ok
-        c = int(newly_bad.sum())
+        c = int(newly_bad.sum()) * multiplicity
         if c:
             counts[rule.name] = counts.get(rule.name, 0) + c
         legal &= ok
@@ -208,9 +216,10 @@ def enumerate_legal(problem: Problem, fixed: dict | None = None,
     outer["dp"] = np.where(N % prod == 0, N // np.maximum(prod, 1), 0)
     if "dp" in fixed:
         outer["dp"] = np.where(outer["dp"] == int(fixed["dp"]), outer["dp"], 0)
-    bad_gpus = outer["dp"] == 0
-    stats.illegal["gpus"] = int(bad_gpus.sum()) * n_inner
-    keep = {k: v[~bad_gpus] for k, v in outer.items()}
+    mesh_ok, mesh_counts = check_rows(outer, problem, RULES[:len(MESH_RULES)], n_inner)
+    stats.illegal.update(mesh_counts)
+    keep = {k: v[mesh_ok] for k, v in outer.items()}
+    inner_rules = RULES[len(MESH_RULES):]
 
     def stream() -> Iterator[PlanBatch]:
         n_keep = len(keep["tp"])
@@ -220,15 +229,13 @@ def enumerate_legal(problem: Problem, fixed: dict | None = None,
             nb = sl.stop - sl.start
             arrays = {k: np.repeat(v[sl], n_inner) for k, v in keep.items()}
             arrays.update({k: np.tile(v, nb) for k, v in inner.items()})
-            legal, counts = check_rows(arrays, problem)
+            legal, counts = check_rows(arrays, problem, inner_rules)
             for k, c in counts.items():
                 stats.illegal[k] = stats.illegal.get(k, 0) + c
             n_legal = int(legal.sum())
             stats.legal += n_legal
             if n_legal:
                 yield PlanBatch({f: arrays[f][legal].astype(np.int32) for f in PLAN_FIELDS})
-        if not stats.illegal.get("gpus"):
-            stats.illegal.pop("gpus", None)
 
     return stream(), stats
 
