@@ -12,6 +12,7 @@ from costmodels import model as cm
 from costmodels.encode import encode_cluster, encode_job, encode_model
 from costmodels.params import EfficiencyParams
 from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
+from costmodels.specs import SpecError
 from search_spaces.space import Problem
 
 CHUNK = 1 << 16
@@ -26,6 +27,8 @@ class Inputs:
         self.problem = problem
         self.model = encode_model(problem.model)
         self.hw = encode_cluster(problem.cluster)
+        if memory_limit_gb is not None and not memory_limit_gb > 0:
+            raise SpecError("memory_limit_gb", f"must be a positive number of GB, got {memory_limit_gb!r}")
         limit = memory_limit_gb * 1e9 if memory_limit_gb else None
         self.job = encode_job(problem.job, problem.cluster, limit)
 

@@ -74,7 +74,7 @@ def _closest_message(rep: dict, limit_gb: float) -> str:
     parts = sorted(((k, mem[k]) for k in ("weights", "gradients", "optimizer", "activations", "other")),
                    key=lambda kv: -kv[1])
     biggest = ", ".join(f"{k} {v:.1f} GB" for k, v in parts[:3])
-    plan = ",".join(f"{k}={v}" for k, v in rep["plan"].items())
+    plan = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in rep["plan"].items())
     return (f"memory: no legal plan fits in {limit_gb:.1f} GB per GPU; the closest ({plan}) needs "
             f"{mem['total']:.1f} GB, {mem['total'] - limit_gb:.1f} GB over (largest: {biggest})")
 

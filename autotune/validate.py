@@ -220,6 +220,12 @@ def validate_rows(rows: list, params: EfficiencyParams | None = None, only_usabl
     params = params or EfficiencyParams()
     runs = []
     for row in rows:
+        if not isinstance(row, dict):
+            runs.append({"id": "?", "skipped": f"not a JSON object: {str(row)[:40]!r}",
+                         "measured_tokens_per_s_per_gpu": None, "predicted_tokens_per_s_per_gpu": None,
+                         "predicted_step_time_s": None, "predicted_fits": None,
+                         "predicted_memory_gb": None, "error_pct": None})
+            continue
         if only_usable and not row.get("usable", True):
             r = _row_result({"id": row.get("id"), "hardware": {}, "plan": {}, "model": {}}, params)
             r["skipped"] = "not usable (see the row's notes)"

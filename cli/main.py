@@ -194,12 +194,13 @@ def _plans_table(reports: list) -> Table:
 
 
 def _print_wide_table(con: Console, table: Table) -> None:
-    """Print a table whole: on a narrow terminal drop the borders and padding first, and if it is still
-    too wide let the terminal wrap its lines rather than cut every column to an ellipsis."""
-    unbounded = con.options.update_width(10_000)
-    if Measurement.get(con, unbounded, table).maximum > con.width:
+    """On a terminal too narrow for the bordered table, drop borders and padding and let headers
+    fold over two lines, so no value is cut to an ellipsis."""
+    if Measurement.get(con, con.options.update_width(10_000), table).maximum > con.width:
         table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0)
-    con.print(table, width=max(con.width, Measurement.get(con, unbounded, table).maximum))
+        for column in table.columns:
+            column.overflow = "fold"
+    con.print(table)
 
 
 def _space_line(space: dict, elapsed_s: float) -> str:

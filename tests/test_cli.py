@@ -301,7 +301,8 @@ BAD_SEARCH = {
     "zero gpus": (_problem(gpus="0"), ("gpus",)),
     "negative gpus": (_problem(gpus="-8"), ("gpus",)),
     "gpus not whole nodes": (_problem(gpus="12"), ("gpus", "NVLink")),
-    "no plan can use the gpus": (_problem(gpus="1024", batch="1"), ("gpus", "no legal plan")),
+    # global batch 1 forces dp=1, seq_len 2 forces cp=1, so at most tp*pp = 8*32 of the 1024 GPUs are usable
+    "no plan can use the gpus": (_problem(gpus="1024", batch="1", seq="2"), ("gpus", "no legal plan")),
     "zero global batch": (_problem(batch="0"), ("global_batch",)),
     "zero seq len": (_problem(seq="0"), ("seq_len",)),
     "unknown precision": (_problem() + ["--precision", "int3"], ("precision", "int3")),
@@ -347,7 +348,7 @@ BAD_PLANS = {
     "tp does not divide gpus": ("8", "tp=3", ("plan", "tp*cp*pp = 3", "gpus=8")),
     "tp does not divide heads": ("16", "tp=16", ("plan (tp_heads)", "num_kv_heads=8")),
     "global batch not divisible": ("8", "dp=8,mbs=3", ("plan (batch_divisible)", "global_batch=64")),
-    "too few micro-batches": ("8", "pp=8,mbs=16", ("plan (microbatches_ge_pp)",)),
+    "interleaving needs whole rounds": ("8", "pp=2,vpp=2,mbs=16", ("plan (interleave_microbatches)",)),
     "sp without tp": ("8", "tp=1,sp=true", ("plan (sp_needs_tp)",)),
     "unknown key": ("8", "tp=1,foo=2", ("plan", "foo", "known keys")),
     "not an integer": ("8", "tp=two", ("plan.tp",)),

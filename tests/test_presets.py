@@ -34,7 +34,7 @@ def test_gpu_preset_is_sane(name):
     assert (g.peak_flops_fp8 == 0) == (g.family == "ampere")
     assert g.peak_flops_fp8 in (0, pytest.approx(2 * g.peak_flops_bf16, rel=1e-3))
     assert (g.peak_flops_fp4 > 0) == (name in FP4_GPUS)
-    assert 40e9 <= g.hbm_bytes <= 288e9 and 1e12 < g.hbm_bandwidth_bytes_per_s < 10e12
+    assert 40 * 2**30 <= g.hbm_bytes <= 288 * 2**30 and 1e12 < g.hbm_bandwidth_bytes_per_s < 10e12
     assert g.intra_node_bw_bytes_per_s >= 4 * g.inter_node_bw_bytes_per_s
     assert g.gpus_per_node == (72 if name.startswith("gb") else 8)
     assert g.peak_flops(Precision.FP8) == g.peak_flops_fp8
@@ -55,7 +55,7 @@ def test_gpu_preset_is_sane(name):
 def test_gpu_datasheet_figures_in_si(name, bf16_tflops, hbm_gb, hbm_tbps, nvlink_gbps, nic_gbps):
     g = load_gpu(name)
     assert g.peak_flops_bf16 == pytest.approx(bf16_tflops * 1e12)
-    assert g.hbm_bytes == pytest.approx(hbm_gb * 1e9)
+    assert g.hbm_bytes == pytest.approx(hbm_gb * 2**30)      # printed GB are binary (GiB)
     assert g.hbm_bandwidth_bytes_per_s == pytest.approx(hbm_tbps * 1e12)
     assert g.intra_node_bw_bytes_per_s == pytest.approx(nvlink_gbps * 1e9)
     assert g.inter_node_bw_bytes_per_s == pytest.approx(nic_gbps * 1e9)
@@ -433,8 +433,7 @@ BAD_CLUSTERS = [
     ("gpu: h100\ngpus: 1024\n" + SITES, {}, "cluster.sites.gpus_per_site",
      "2 sites x 256 GPUs = 512, but gpus = 1024"),
     ("gpu: h100\n" + SITES, {"num_gpus": 1024}, "cluster.sites.gpus_per_site", "= 512, but gpus = 1024"),
-    ("gpu: gb200\ngpus: 100\n", {}, "cluster.gpus", "not a multiple of the NVLink domain size 72"),
-    ("gpu: h100\ngpus: 1000\ngpus_per_node: 16\n", {}, "cluster.gpus", "domain size 16"),
+    ("gpu: h100\ngpus: 1001\n", {}, "cluster.gpus", "not a multiple of the NVLink domain size 8"),
     ("gpu: h100\ngpus: 100\nsites: {count: 2, wan_bandwidth_gbps: 1, wan_latency_ms: 1}\n", {},
      "cluster.sites.gpus_per_site", "50 GPUs per site is not a multiple"),
     ("gpu: h100\ngpus: 1001\nsites: {count: 2, wan_bandwidth_gbps: 1, wan_latency_ms: 1}\n", {},
@@ -494,3 +493,8 @@ def test_cli_only_errors():
     assert _error(build_cluster, gpu="h100", num_gpus=-8).field == "gpus"
     assert _error(build_cluster, gpu="h100", num_gpus=None).field == "gpus"
     assert _error(build_cluster, gpu=None, num_gpus=8).field == "gpu"
+
+
+@pytest.mark.parametrize("gpu, gpus, domain", [("gb200", 256, 64), ("gb300", 100, 50), ("gb200", 144, 72)])
+def test_rack_scale_jobs_take_an_equal_share_of_each_rack(gpu, gpus, domain):
+    assert build_cluster(gpu=gpu, num_gpus=gpus).nvlink_domain_size == domain
