@@ -15,6 +15,24 @@ from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
 from costmodels.specs import SpecError
 from search_spaces.space import Problem
 
+def enable_compile_cache() -> str | None:
+    """Keep XLA's compiled scorer on disk between processes (JAX's persistent compilation cache):
+    the first run compiles (~2-6 s), later runs load it. AUTOTUNE_JAX_CACHE sets the folder;
+    set it to an empty string to disable."""
+    import os
+    path = os.environ.get("AUTOTUNE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "autotune", "jax"))
+    if not path:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    except (OSError, AttributeError):
+        return None
+    return path
+
+
 CHUNK = 1 << 16
 SMALL_CHUNK = 1 << 12
 FULL_CHUNK = 128

@@ -27,6 +27,7 @@ from typer.exceptions import Abort
 
 from autotune import __version__, api
 from autotune.report import TIME_LABELS, plan_text, problem_dict, save_report, search_report
+from autotune.scoring import enable_compile_cache
 from autotune.search import NothingFits
 from autotune.validate import load_runs, validate_rows
 from costmodels.specs import SpecError
@@ -106,6 +107,7 @@ def _root(
                                           help="Print the version and exit.")] = False,
 ) -> None:
     """Parallelism auto-tuner for large-model training."""
+    enable_compile_cache()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +391,12 @@ def validate(
                    f"{summary['n_scored']} scored, {summary['n_skipped']} skipped, "
                    f"{summary.get('n_predicted_oom', 0)} predicted not to fit."))
     return EXIT_OK
+
+
+# issue 5: explain / calibrate / whatif
+from cli.analysis_cmds import register as _register_analysis  # noqa: E402
+
+_register_analysis(app)
 
 
 if __name__ == "__main__":
