@@ -96,7 +96,7 @@ def _to_z(params: EfficiencyParams, names) -> jnp.ndarray:
     for n in names:
         lo, hi = PARAM_BOUNDS[n]
         u = (getattr(params, n) - lo) / (hi - lo)
-        u = min(max(u, 1e-4), 1 - 1e-4)
+        u = min(max(u, 0.02), 0.98)          # off the bounds, where the sigmoid has no gradient
         zs.append(math.log(u / (1 - u)))
     return jnp.array(zs, dtype=jnp.float32)
 

@@ -166,8 +166,13 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     c_b_moe = 2.0 * (c_f_moe - t_attn_core - kern_moe) + e.attn_bwd_ratio * t_attn_core + 2.0 * kern_moe
     # recomputation [K22 sec 5]: full replays the layer forward (with its communication);
     # selective replays the attention core and the activation function
-    r_dense = rec_full * c_f_dense + rec_sel * (t_attn_core + t_elem_dense)
-    r_moe = rec_full * c_f_moe + rec_sel * (t_attn_core + t_elem_moe)
+    # selective = Megatron-Core's cheap recompute modules: core attention, layernorms, activation
+    # functions (dense and MoE) and, for MLA, the up-projections from the cached latents
+    mla = (M["q_down_n"] + M["kv_down_n"] > 0).astype(jnp.float32)
+    t_mla_up = mla * (gemm(T, M["q_up_n"] / tp, M["q_up_k"]) + gemm(T, M["kv_up_n"] / tp, M["kv_up_k"]))
+    r_sel_common = t_attn_core + 0.5 * t_elem_attn + t_mla_up
+    r_dense = rec_full * c_f_dense + rec_sel * (r_sel_common + t_elem_dense)
+    r_moe = rec_full * c_f_moe + rec_sel * (r_sel_common + t_elem_moe)
     tp_layer_dense = 2.0 * t_tp_dense + rec_full * t_tp_dense
     tp_layer_moe = 2.0 * t_tp_moe + rec_full * t_tp_moe
     cp_layer = t_cp_f + t_cp_b + rec_full * t_cp_f
@@ -285,7 +290,10 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     act_none = 2.0 * T * (repl / jnp.where(sp > 0, tp, 1.0) + sh_attn / tp
                           + frac_dense * sh_dense / tp + frac_moe * moe_tok / tp)
     act_scores = (1.0 - J["flash"]) * 5.0 * T * s * heads_local          # K22 table 2: 5as/h term
-    act_sel = act_none - 2.0 * T / tp * (frac_dense * f + frac_moe * M["top_k"] * fe * e.moe_imbalance)
+    act_sel = act_none - 2.0 * T * (
+        2.0 * h / jnp.where(sp > 0, tp, 1.0)                               # layernorm outputs
+        + mla * M["attn_act_sharded"] / tp                                  # MLA q, k, v from latents
+        + (frac_dense * f + frac_moe * M["top_k"] * fe * e.moe_imbalance) / tp)   # activation outputs
     act_none = act_none + act_scores
     act_full = 2.0 * T * h / jnp.where(sp > 0, tp, 1.0)
     act_layer = rec_full * act_full + rec_sel * act_sel + (1.0 - rec_full - rec_sel) * act_none

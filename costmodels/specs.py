@@ -37,7 +37,7 @@ class Precision(enum.Enum):
 class Recompute(enum.IntEnum):
     """Activation recomputation policy (Korthikanti et al. 2022, sec. 4 and 5)."""
     NONE = 0
-    SELECTIVE = 1   # recompute the attention core (softmax, dropout, QK^T, AV)
+    SELECTIVE = 1   # recompute cheap modules: core attention, layernorms, activation functions, MLA up-proj
     FULL = 2        # keep only each layer's input; recompute the whole layer forward in backward
 
     @classmethod
