@@ -9,7 +9,7 @@ import numpy as np
 from costmodels.params import EfficiencyParams
 from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
 from costmodels.specs import SpecError
-from search_spaces.space import Problem, SpaceStats, enumerate_legal
+from search_spaces.space import Problem, SpaceStats, binding_rules, enumerate_legal
 
 from .scoring import Inputs, plan_report, score_full, score_summary
 
@@ -79,6 +79,17 @@ def _closest_message(rep: dict, limit_gb: float) -> str:
             f"{mem['total']:.1f} GB, {mem['total'] - limit_gb:.1f} GB over (largest: {biggest})")
 
 
+def _no_legal_plan_message(problem: Problem, fixed: dict | None, total: int) -> str:
+    rules = binding_rules(problem, fixed)
+    always = [r for r in rules if r[1] >= 1.0]
+    head = (f"no legal plan for {problem.cluster.num_gpus} GPUs x global batch {problem.job.global_batch} "
+            f"(of {total} combinations)")
+    if always:
+        return f"{head}: every combination breaks {always[0][0]} (e.g. {always[0][2]})"
+    top = "; ".join(f"{name} rejects {frac:.0%}" for name, frac, _ in rules[:3])
+    return f"{head}: no combination passes all rules together ({top})"
+
+
 def exhaustive(problem: Problem, params: EfficiencyParams | None = None, *, top_k: int = 10,
                memory_limit_gb: float | None = None, fixed: dict | None = None) -> SearchResult:
     """Score every legal plan; return the fastest that fit, best first."""
@@ -100,9 +111,7 @@ def exhaustive(problem: Problem, params: EfficiencyParams | None = None, *, top_
     space["fitting"] = n_fit
     space["scored"] = stats.legal
     if stats.legal == 0:
-        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(stats.illegal.items(), key=lambda kv: -kv[1])[:3])
-        raise NoLegalPlan("gpus", f"no legal plan for {problem.cluster.num_gpus} GPUs with this model and "
-                          f"job (of {stats.total} combinations; most common violations: {reasons})")
+        raise NoLegalPlan("plan space", _no_legal_plan_message(problem, fixed, stats.total))
     if n_fit == 0:
         cb = closest.batch()
         out = score_full(cb, inp, params)

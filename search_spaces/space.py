@@ -245,3 +245,32 @@ def count_legal(problem: Problem, fixed: dict | None = None) -> SpaceStats:
     for _ in it:
         pass
     return stats
+
+
+def binding_rules(problem: Problem, fixed: dict | None = None, max_rows: int = 1 << 21) -> list:
+    """Why a space is empty: each rule's share of combinations it rejects on its own, highest first,
+    with the message for one rejected combination: [(rule, fraction, message)]."""
+    dom = domains(problem, fixed)
+    grid = _grid(dom)
+    n = len(grid["tp"])
+    if n > max_rows:
+        pick = np.random.default_rng(0).choice(n, size=max_rows, replace=False)
+        grid = {k: v[pick] for k, v in grid.items()}
+        n = max_rows
+    N = problem.cluster.num_gpus
+    prod = grid["tp"] * grid["cp"] * grid["pp"]
+    grid["dp"] = np.where(N % prod == 0, N // np.maximum(prod, 1), 0)
+    if fixed and "dp" in fixed:
+        grid["dp"] = np.where(grid["dp"] == int(fixed["dp"]), grid["dp"], 0)
+    out = []
+    for rule in RULES:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ok = np.broadcast_to(np.asarray(rule.ok({**grid, "dp": np.maximum(grid["dp"], 1)}, problem), bool), (n,))
+        if rule.name == "gpus":
+            ok = grid["dp"] > 0
+        bad = np.flatnonzero(~ok)
+        if len(bad):
+            example = {k: v[bad[:1]] for k, v in grid.items()}
+            example["dp"] = np.maximum(example["dp"], 1)
+            out.append((rule.name, len(bad) / n, rule.explain(example, problem)))
+    return sorted(out, key=lambda r: -r[1])

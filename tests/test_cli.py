@@ -60,6 +60,13 @@ SURFACE = {
     "search": PROBLEM_OPTIONS | {"--strategy", "--top", "--out", "--no-save"},
     "predict": PROBLEM_OPTIONS | {"--plan"},
     "validate": {"file", "--json", "--all"},
+    "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
+                "--intra-node-bw", "--inter-node-bw", "--memory-limit-gb", "--json", "--calibration"},
+    "calibrate": {"measurements", "--gpu", "--out", "-o", "--holdout-frac", "--seed", "--rounds", "--steps",
+                  "--megatron-log", "--model", "--gpus", "--global-batch", "--seq-len", "--precision",
+                  "--gpus-per-node", "--plan", "--json"},
+    "whatif": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--inter-node-bw",
+               "--gpus-per-node", "--memory-limit-gb", "--json"},
 }
 
 
