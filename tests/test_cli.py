@@ -309,7 +309,7 @@ BAD_SEARCH = {
     "negative gpus": (_problem(gpus="-8"), ("gpus",)),
     "gpus not whole nodes": (_problem(gpus="12"), ("gpus", "NVLink")),
     # global batch 1 forces dp=1, seq_len 2 forces cp=1, so at most tp*pp = 8*32 of the 1024 GPUs are usable
-    "no plan can use the gpus": (_problem(gpus="1024", batch="1", seq="2"), ("gpus", "no legal plan")),
+    "no plan can use the gpus": (_problem(gpus="1024", batch="1", seq="2"), ("plan space", "no legal plan", "rejects")),
     "zero global batch": (_problem(batch="0"), ("global_batch",)),
     "zero seq len": (_problem(seq="0"), ("seq_len",)),
     "unknown precision": (_problem() + ["--precision", "int3"], ("precision", "int3")),
