@@ -208,7 +208,9 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     pp_comm = pp_comm * pp_gt1
 
     # ---------------- parameters on the busiest rank ----------------
-    emb_params = V * h / tp
+    # first stage holds the input embedding, last the output layer; one rank holds both when pp=1
+    # (unless they are tied)
+    emb_params = V * h / tp * (1.0 + (pp == 1).astype(jnp.float32) * (1.0 - M["tied"]))
     dense_layer_params = M["attn_params"] + frac_dense * M["dense_mlp_params"] \
         + frac_moe * (M["shared_ffn"] * h * (2.0 + g_mlp) + M["router_params"])
     p_dense = n_stage * dense_layer_params / tp + emb_params
@@ -222,12 +224,13 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     z12 = ((zero == 1) | (zero == 2)).astype(jnp.float32)
     z3 = (zero == 3).astype(jnp.float32)
     lat = e.collective_latency_s
+    moe_on = is_moe_model                                         # dense models have no expert grads
     ar = C.all_reduce_s(gbytes * p_dense, n_dp_dense, tp, H, link_eff, lat) \
-        + C.all_reduce_s(gbytes * p_expert, n_dp_exp, ep * etp, H, link_eff, lat)
+        + moe_on * C.all_reduce_s(gbytes * p_expert, n_dp_exp, ep * etp, H, link_eff, lat)
     rs = C.reduce_scatter_s(gbytes * p_dense, n_dp_dense, tp, H, link_eff, lat) \
-        + C.reduce_scatter_s(gbytes * p_expert, n_dp_exp, ep * etp, H, link_eff, lat)
+        + moe_on * C.reduce_scatter_s(gbytes * p_expert, n_dp_exp, ep * etp, H, link_eff, lat)
     ag = C.all_gather_s(2.0 * p_dense, n_dp_dense, tp, H, link_eff, lat) \
-        + C.all_gather_s(2.0 * p_expert, n_dp_exp, ep * etp, H, link_eff, lat)
+        + moe_on * C.all_gather_s(2.0 * p_expert, n_dp_exp, ep * etp, H, link_eff, lat)
     win_b = n_stage * (frac_dense * c_b_dense + frac_moe * c_b_moe)   # last micro-batch backward
     win_f = n_stage * (frac_dense * c_f_dense + frac_moe * c_f_moe)   # first micro-batch forward
 
@@ -241,7 +244,9 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     # with prefetch they hide under the whole step's compute, except the first gather and the
     # last reduce-scatter, which have nothing to overlap with (about two layers' worth)
     t_z3 = m * (2.0 * ag + rs) / e.zero3_bw_eff
-    dp_z3 = jnp.maximum(t_z3 - m * (c_stage + r_stage), 2.0 * t_z3 / (m * n_stage))
+    # (the window is the whole stage time: compute already hides TP/CP traffic, and counting it
+    # twice would make a faster GPU slower)
+    dp_z3 = jnp.maximum(t_z3 - m * t_stage, 2.0 * t_z3 / (m * n_stage))
     dp_comm = z0 * dp_z0 + z12 * dp_z12 + z3 * dp_z3
 
     # ---------------- optimizer (memory bound Adam step) ----------------

@@ -90,3 +90,19 @@ def load_params_file(path: str) -> tuple[EfficiencyParams, dict]:
     with open(path) as fh:
         doc = json.load(fh)
     return params_from_dict(doc.get("params", {})), doc
+
+
+#: The literature starting point of every parameter, before any fit: vendor GEMM and NCCL
+#: benchmarks (cuBLAS ~80% of bf16 peak on large GEMMs, NCCL bus bandwidth ~75-80% of link rate),
+#: FlashAttention-2 (~55% of peak forward, backward 2.5x), K22's activation byte counts, ZeRO's
+#: Adam traffic. Calibration starts here; cross-validation measures fits against it.
+LITERATURE_PRIOR = EfficiencyParams(
+    gemm_eff_max=0.80, gemm_eff_max_fp8=0.62, gemm_dim_half=48.0, attn_eff_max=0.55, attn_seq_half=256.0,
+    attn_bwd_ratio=2.5, softmax_bytes_per_score=13.0, hbm_eff=0.75, elementwise_bytes_h=24.0,
+    elementwise_bytes_f=6.0, lp_cast_bytes=6.0, kernel_overhead_s=5e-6, kernels_per_layer=14.0,
+    intra_bw_eff=0.75, inter_bw_eff=0.80, tp_comm_overlap=0.6, dp_overlap=0.8, cp_overlap=0.9,
+    pp_overlap=0.5, ep_overlap=0.0, moe_imbalance=1.05, step_overhead_s=0.02, microbatch_overhead_s=2e-3,
+    collective_latency_s=1.5e-5, zero3_bw_eff=0.5, optimizer_bytes_per_param=30.0, mem_fixed_bytes=3.0e9,
+    mem_fragmentation=1.03, logits_bytes_per_elem=6.0, grad_bytes_per_param=2.0,
+    low_precision_weight_bytes=1.0,
+)
