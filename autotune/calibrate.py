@@ -162,7 +162,7 @@ def group_weights(cases: list[FitCase]) -> np.ndarray:
 
 
 def calibrate(rows: list, params: EfficiencyParams | None = None, *, names=DEFAULT_FIT, rounds: int = 2,
-              steps: int = 400, lr: float = 0.05, prior: float = 0.05) -> tuple[EfficiencyParams, list[FitCase]]:
+              steps: int = 400, lr: float = 0.05, prior: float = 0.02) -> tuple[EfficiencyParams, list[FitCase]]:
     """Alternate: choose plans for unknown knobs under the current parameters, then fit."""
     params = params or EfficiencyParams()
     cases = []
