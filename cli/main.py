@@ -332,11 +332,11 @@ def predict(
     problem = _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
                        inter_node_bw, cluster)
     the_plan = api.plan_from_text(plan, problem)
-    params, _ = api.load_params(calibration)
+    params, params_source = api.load_params(calibration)
     rep = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)
     code = EXIT_OK if rep["fits"] else EXIT_NOTHING_FITS
     if as_json:
-        _print_json({**rep, "problem": problem_dict(problem)})
+        _print_json({**rep, "problem": problem_dict(problem), "calibration": params_source})
     else:
         mem = rep["memory_gb"]
         con = _stdout_console()
@@ -360,14 +360,16 @@ def validate(
     file: Annotated[str, typer.Argument(metavar="FILE", help="Runs file (schema: shared/validation/README.md).")],
     as_json: JsonOpt = False,
     all_rows: Annotated[bool, typer.Option("--all", help="Also predict rows marked usable=false.")] = False,
+    calibration: CalibrationOpt = None,
 ) -> int:
     """Predict published, measured runs and report the error per run and the MAPE."""
+    params, _ = api.load_params(calibration)
     rows = load_runs(file)
     bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
     if bad is not None:
         raise SpecError("FILE", f"{file}: run {bad} is not a JSON object (got {type(rows[bad]).__name__})")
     with _Spinner(f"Predicting {len(rows)} runs...", enabled=not as_json):
-        summary = validate_rows(rows, only_usable=not all_rows)
+        summary = validate_rows(rows, params, only_usable=not all_rows)
     if as_json:
         _print_json(summary)
         return EXIT_OK

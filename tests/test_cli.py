@@ -59,7 +59,7 @@ SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | {"--strategy", "--top", "--out", "--no-save"},
     "predict": PROBLEM_OPTIONS | {"--plan"},
-    "validate": {"file", "--json", "--all"},
+    "validate": {"file", "--json", "--all", "--calibration"},
     "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
                 "--intra-node-bw", "--inter-node-bw", "--memory-limit-gb", "--json", "--calibration"},
     "calibrate": {"measurements", "--gpu", "--out", "-o", "--holdout-frac", "--seed", "--rounds", "--steps",
