@@ -26,7 +26,7 @@ def enable_compile_cache() -> str | None:
     try:
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)   # also the op-by-op kernels of sensitivity
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     except (OSError, AttributeError):
         return None
