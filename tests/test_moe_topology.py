@@ -203,3 +203,32 @@ def test_a_faster_wan_is_never_slower(two_sites, i, k):
     t0 = float(cm.evaluate_jit(sub.arrays, m, hw, job, E)["step_time_s"][0])
     t1 = float(cm.evaluate_jit(sub.arrays, m, faster, job, E)["step_time_s"][0])
     assert t1 <= t0 * (1 + 1e-5)
+
+
+# ------------------------------------------------------------------ bad input through the CLI
+
+@pytest.mark.parametrize("args, field", [
+    (["predict", "--model", "mixtral-8x7b", "--gpu", "h100", "--gpus", "64", "--global-batch", "256",
+      "--plan", "tp=1,pp=1,ep=3"], "ep_experts"),
+    (["predict", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "16", "--global-batch", "16",
+      "--seq-len", "4100", "--plan", "tp=1,pp=1,cp=4"], "cp_seq"),
+])
+def test_moe_and_cp_bad_plans_exit_2_with_one_line(args, field):
+    from typer.testing import CliRunner
+    from cli.main import app
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2
+    err = (res.stderr if hasattr(res, "stderr") else res.output).strip().splitlines()
+    assert len(err) == 1 and field in err[0] and "Traceback" not in res.output
+
+
+def test_cluster_file_with_inconsistent_gpu_counts_exits_2(tmp_path):
+    from typer.testing import CliRunner
+    from cli.main import app
+    f = tmp_path / "bad.yaml"
+    f.write_text("gpu: h100\ngpus: 1024\nsites: {count: 2, gpus_per_site: 256, wan_bandwidth_gbps: 100, "
+                 "wan_latency_ms: 10}\n")
+    res = CliRunner().invoke(app, ["search", "--model", "llama3-8b", "--cluster", str(f), "--no-save"])
+    assert res.exit_code == 2
+    err = (res.stderr if hasattr(res, "stderr") else res.output).strip().splitlines()
+    assert len(err) == 1 and "gpus_per_site" in err[0]
