@@ -1,7 +1,7 @@
 """The Python API that the CLI and CI scripts call: build a problem, search, predict, validate."""
 from __future__ import annotations
 
-from costmodels.params import EfficiencyParams, load_params_file
+from costmodels.params import EfficiencyParams
 from costmodels.plan import Plan, parse_plan_text
 from costmodels.presets import build_cluster, load_model
 from costmodels.specs import JobSpec, Precision, SpecError
@@ -34,17 +34,15 @@ def build_problem(*, model: str, gpu: str | None = None, gpus: int | None = None
     return Problem(spec, cluster, job)
 
 
-def load_params(calibration: str | None) -> tuple[EfficiencyParams, str]:
-    """Efficiency parameters: a calibration file if given, else the shipped defaults."""
+def load_params(calibration: str | None, gpu: str | None = None) -> tuple[EfficiencyParams, str]:
+    """Efficiency parameters: a calibration file if given, else the shipped defaults. With `gpu`,
+    a file fitted for another GPU is refused (one-line SpecError naming the fix)."""
+    from .measurements import calibration_for_gpu, read_calibration
     if not calibration:
         return EfficiencyParams(), "defaults"
-    try:
-        params, _ = load_params_file(calibration)
-    except OSError as exc:
-        raise SpecError("calibration", f"cannot read {calibration}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise SpecError("calibration", f"{calibration}: {exc}") from None
-    return params, calibration
+    if gpu is not None:
+        return calibration_for_gpu(calibration, gpu)
+    return read_calibration(calibration)[0], calibration
 
 
 def plan_from_text(text: str, problem: Problem) -> Plan:

@@ -84,9 +84,15 @@ DEFAULT_SAMPLER = "tpe"
 DEFAULT_BATCH = 8
 DEFAULT_TRIALS = 300
 MAX_BATCH = SMALL_CHUNK
-#: TPE settings tuned on tests/benchmarks/bench_optuna.py (see its docstring for the figures)
-TPE_STARTUP_TRIALS = 24
+#: TPE settings tuned on tests/benchmarks/bench_optuna.py (trials to reach 1% of the optimum):
+#: 16 random start-up trials, 48 candidates per acquisition, then 70% of the trials refine the
+#: best 2 plans locally and the rest come from multivariate TPE (constant liar for the batch),
+#: re-asked up to 3 times when it repeats a plan (see search_spaces.optuna_space.LegalSampler).
+TPE_STARTUP_TRIALS = 16
 TPE_EI_CANDIDATES = 48
+TPE_REFINE = 0.7
+TPE_REFINE_INCUMBENTS = 2
+TPE_RETRIES = 3
 #: `auto` searches exhaustively up to this many legal plans (~1 s per 10^6 plans on 2 CPU cores)
 AUTO_EXHAUSTIVE_MAX = 3_000_000
 #: RUNNING trials older than this (seconds) are taken as left by a dead worker
@@ -137,6 +143,9 @@ def make_sampler(name: str, seed: int | None, space: PlanSpace, n_objectives: in
             base = optuna.samplers.TPESampler(
                 seed=seed, multivariate=True, n_startup_trials=TPE_STARTUP_TRIALS,
                 n_ei_candidates=TPE_EI_CANDIDATES, constant_liar=True)
+            return LegalSampler(base, space, refine=TPE_REFINE if n_objectives == 1 else 0.0,
+                                refine_after=TPE_STARTUP_TRIALS, refine_incumbents=TPE_REFINE_INCUMBENTS,
+                                retries=TPE_RETRIES, seed=seed)
         elif key == "nsga2":
             base = optuna.samplers.NSGAIISampler(seed=seed, population_size=max(20, 2 * len(space.distributions)))
         elif key == "gp":
@@ -194,10 +203,20 @@ class StudySpec:
     def counts(self) -> tuple[int, ...]:
         g = self.gpu_spec()
         if isinstance(g, GpuRange):
-            probe = self._build(max(g.low, 1) if g.low > 0 else 1)
-            node = probe.cluster.gpu.gpus_per_node if self.gpus_per_node is None else self.gpus_per_node
-            return g.counts(node)
+            return g.counts(self._node_size())
         return (self._build(g).cluster.num_gpus,)
+
+    def _node_size(self) -> int:
+        """GPUs per node (NVLink domain): --gpus-per-node, else the cluster file's, else the GPU preset's."""
+        if self.gpus_per_node is not None:
+            return int(self.gpus_per_node)
+        from costmodels.presets import build_cluster, load_gpu
+        if self.cluster_file is None:
+            return load_gpu(self.gpu).gpus_per_node if self.gpu else 8
+        try:
+            return build_cluster(gpu=self.gpu, num_gpus=1 << 20, cluster_file=self.cluster_file).nvlink_domain_size
+        except SpecError:
+            return load_gpu(self.gpu).gpus_per_node if self.gpu else 8
 
     def resolved(self) -> "StudySpec":
         """The same spec with defaults made explicit (batch, sequence, model path), checked."""
@@ -438,9 +457,8 @@ def run_batches(study: optuna.Study, space: PlanSpace, scorer: BatchScorer, obje
                 pending = []
                 asked: dict = {}
                 for _ in range(k):
-                    trial = study.ask()
+                    trial = _ask(study, me)
                     pending.append(trial)
-                    trial.set_user_attr("worker", me)
                     try:
                         n, plan = space.suggest(trial)
                     except IllegalParams as exc:
@@ -462,9 +480,7 @@ def run_batches(study: optuna.Study, space: PlanSpace, scorer: BatchScorer, obje
                     m = _metrics(n, float(steps[i]), float(mems[i]), scorer.limit_bytes(n), tokens)
                     over = m["memory_gb"] - m["memory_limit_gb"]
                     trial.set_user_attr("plan", plan_dict(plan))
-                    for key in ("gpus", "step_time_s", "tokens_per_s", "memory_gb", "fits", "cost_gpu_h"):
-                        trial.set_user_attr(key, m[key])
-                    trial.set_user_attr(CONSTRAINT, over)
+                    trial.set_user_attr("metrics", {**m, CONSTRAINT: over})
                     if not math.isfinite(m["step_time_s"]):
                         study.tell(trial, state=TrialState.FAIL)
                         stats.failed += 1
@@ -494,6 +510,24 @@ def run_batches(study: optuna.Study, space: PlanSpace, scorer: BatchScorer, obje
     stats.elapsed_s = time.perf_counter() - t0
     stats.model_s = scorer.model_s - model0
     return stats
+
+
+def _ask(study: optuna.Study, owner: str) -> optuna.Trial:
+    """`study.ask()`, with the "worker" user attribute written in the same transaction that creates
+    the trial, so a worker killed at any moment never leaves a RUNNING trial without its owner
+    (which `fail_zombies` needs). Falls back to ask + set_user_attr if Optuna's internals change."""
+    try:
+        template = optuna.trial.FrozenTrial(
+            number=-1, state=TrialState.RUNNING, value=None, datetime_start=datetime.now(),
+            datetime_complete=None, params={}, distributions={}, user_attrs={"worker": owner},
+            system_attrs={}, intermediate_values={}, trial_id=-1)
+        trial_id = study._storage.create_new_trial(study._study_id, template_trial=template)
+        study._thread_local.cached_all_trials = None
+        return optuna.Trial(study, trial_id)
+    except AttributeError:
+        trial = study.ask()
+        trial.set_user_attr("worker", owner)
+        return trial
 
 
 def _penalized(value: float, obj: Objective, over_gb: float, limit_gb: float) -> float:
@@ -611,13 +645,19 @@ def _spec_line(spec: StudySpec) -> str:
     return f"{spec.model} on {spec.gpus} x {spec.gpu}, objectives {', '.join(spec.objectives)}"
 
 
+def metrics(t) -> dict:
+    """A trial's metrics (user attribute "metrics": gpus, step_time_s, tokens_per_s,
+    tokens_per_s_per_gpu, cost_gpu_h, memory_gb, memory_limit_gb, fits, memory_gb_over)."""
+    return t.user_attrs.get("metrics") or {}
+
+
 def _feasible(trials) -> list:
-    return [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("fits")
+    return [t for t in trials if t.state == TrialState.COMPLETE and metrics(t).get("fits")
             and "plan" in t.user_attrs]
 
 
 def _key(t) -> tuple:
-    return (t.user_attrs.get("gpus"),) + tuple(sorted(t.user_attrs["plan"].items()))
+    return (metrics(t).get("gpus"),) + tuple(sorted(t.user_attrs["plan"].items()))
 
 
 def best_trials(study: optuna.Study, objectives, k: int = 10) -> list:
@@ -625,7 +665,7 @@ def best_trials(study: optuna.Study, objectives, k: int = 10) -> list:
     obj = OBJECTIVES[objectives[0]] if objectives and objectives[0] in OBJECTIVES else OBJECTIVES["tokens_per_s"]
     trials = _feasible(study.get_trials(deepcopy=False))
     sign = -1.0 if obj.direction == "maximize" else 1.0
-    trials.sort(key=lambda t: (sign * float(t.user_attrs.get(obj.metric, math.nan)), t.number))
+    trials.sort(key=lambda t: (sign * float(metrics(t).get(obj.metric, math.nan)), t.number))
     out, seen = [], set()
     for t in trials:
         key = _key(t)
@@ -639,7 +679,7 @@ def best_trials(study: optuna.Study, objectives, k: int = 10) -> list:
 
 def pareto_trials(study: optuna.Study) -> list:
     """Optuna's Pareto front (feasible trials only), one trial per distinct plan."""
-    front = [t for t in study.best_trials if t.user_attrs.get("fits")]
+    front = [t for t in study.best_trials if metrics(t).get("fits")]
     front.sort(key=lambda t: tuple(t.values))
     out, seen = [], set()
     for t in front:
@@ -651,7 +691,7 @@ def pareto_trials(study: optuna.Study) -> list:
 
 
 def _trial_entry(t) -> tuple[int, dict]:
-    return int(t.user_attrs["gpus"]), dict(t.user_attrs["plan"])
+    return int(metrics(t)["gpus"]), dict(t.user_attrs["plan"])
 
 
 def summarize(study: optuna.Study, spec: StudySpec, space: PlanSpace, scorer: BatchScorer, *,
@@ -671,7 +711,7 @@ def summarize(study: optuna.Study, spec: StudySpec, space: PlanSpace, scorer: Ba
             raise NoLegalPlan("gpus", f"no legal plan for {spec.gpus} GPUs with this model and job")
         raise SpecError("trials", "no trial finished; give more --trials or a longer --timeout")
     if not feas:
-        closest = min(complete, key=lambda t: float(t.user_attrs.get(CONSTRAINT, math.inf)))
+        closest = min(complete, key=lambda t: float(metrics(t).get(CONSTRAINT, math.inf)))
         rep = scorer.reports([_trial_entry(closest)])[0]
         raise NothingFits(_closest_message(rep, rep["memory_gb"]["limit"]), rep, space_d)
     top_t = best_trials(study, objectives, max(top_k, 1) * 4)

@@ -31,6 +31,8 @@ STUDY_ATTR = "autotune"
 MEMORY = "memory"
 _SECRET_KEYS = ("password", "passwd", "pwd", "secret", "token", "sslpassword")
 CONNECT_TIMEOUT_S = 5
+#: SQLAlchemy dialects Optuna's RDBStorage works with
+_RDB_DIALECTS = ("postgresql", "postgres", "mysql", "mariadb", "sqlite", "oracle", "mssql")
 
 
 def redact_url(url: str | None) -> str:
@@ -43,6 +45,9 @@ def redact_url(url: str | None) -> str:
     except ValueError:
         return re.sub(r"(://[^/@:]*:)[^@/]*@", r"\1***@", text)
     netloc = parts.netloc
+    secret_query = any(k.lower() in _SECRET_KEYS for k, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    if not secret_query and not ("@" in netloc and ":" in netloc.rsplit("@", 1)[0]):
+        return text
     if "@" in netloc:
         userinfo, host = netloc.rsplit("@", 1)
         if ":" in userinfo:
@@ -91,7 +96,7 @@ def storage_kind(url: str | None) -> str:
         return "journal"
     if u.startswith("sqlite:"):
         return "sqlite"
-    if "://" in u:
+    if u.split("://", 1)[0].split("+", 1)[0].lower() in _RDB_DIALECTS and "://" in u:
         return "rdb"
     return "unknown"
 
@@ -132,7 +137,7 @@ def open_storage(url: str | None) -> BaseStorage:
         return RDBStorage(u, engine_kwargs=engine_kwargs)
     except ImportError as exc:
         raise SpecError("storage", f"{redact_url(u)} needs a database driver that is not installed "
-                        f"({scrub(exc, u)}); e.g. pip install psycopg2-binary") from None
+                        f"({scrub(exc, u)}); for PostgreSQL: pip install 'psycopg[binary]'") from None
     except Exception as exc:  # sqlalchemy errors: unreachable host, bad credentials, missing db
         raise SpecError("storage", f"cannot open {redact_url(u)}: {scrub(_db_error(exc), u)}") from None
 
@@ -183,11 +188,17 @@ def list_studies(url: str | None) -> list[dict]:
 
 
 def _problem_line(spec: dict) -> str:
-    p = spec.get("problem") or {}
-    if not p:
+    p = spec or {}
+    if not p.get("model"):
         return "(not an autotune study)"
     return (f"{p.get('model')} on {p.get('gpus')} x {p.get('gpu') or p.get('cluster_file')}, "
             f"batch {p.get('global_batch')} x {p.get('seq_len')}")
+
+
+def _problem_of(spec: dict) -> dict | None:
+    keys = ("model", "gpu", "gpus", "global_batch", "seq_len", "precision", "gpus_per_node", "intra_node_bw",
+            "inter_node_bw", "cluster_file", "memory_limit_gb", "calibration", "fixed")
+    return {k: spec.get(k) for k in keys} if spec.get("model") else None
 
 
 def trial_row(t) -> dict:
@@ -214,7 +225,7 @@ def show_study(url: str | None, name: str, top: int = 10) -> dict:
     out = {
         "name": name, "storage": redact_url(url), "objectives": objectives,
         "directions": [d.name.lower() for d in study.directions],
-        "problem": spec.get("problem"), "sampler": spec.get("sampler"), "seed": spec.get("seed"),
+        "problem": _problem_of(spec), "sampler": spec.get("sampler"), "seed": spec.get("seed"),
         "trials": dict(sorted(states.items())), "n_trials": len(trials),
         "best": [trial_row(t) for t in best_trials(study, objectives, top)],
     }
@@ -246,8 +257,9 @@ def export_study(url: str | None, name: str, path: str) -> dict:
         for r in rows:
             vals = list(r["values"] or []) + [""] * (n_values - len(r["values"] or []))
             plan = r["user_attrs"].get("plan") or {}
+            met = r["user_attrs"].get("metrics") or {}
             w.writerow([r["number"], r["state"]] + vals + [r["params"].get(p, "") for p in params]
-                       + [plan.get("dp", "")] + [r["user_attrs"].get(a, "") for a in _CSV_ATTRS])
+                       + [plan.get("dp", "")] + [met.get(a, "") for a in _CSV_ATTRS])
         text = buf.getvalue()
     try:
         _ensure_parent(path)

@@ -30,6 +30,7 @@ from autotune.report import TIME_LABELS, plan_text, problem_dict, save_report, s
 from autotune.scoring import enable_compile_cache
 from autotune.search import NothingFits
 from autotune.validate import load_runs, validate_rows
+from cli import optuna_cmds
 from costmodels.specs import SpecError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 2, 3
@@ -260,7 +261,8 @@ def _pct(x: Optional[float]) -> str:
 def search(
     model: ModelOpt,
     gpu: GpuOpt = None,
-    gpus: GpusOpt = None,
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="Number of GPUs; for --strategy optuna/auto also "
+                                                "a range: 256-2048 (whole nodes), 256-2048:64, 256-2048:pow2.")] = None,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "bf16",
@@ -268,22 +270,48 @@ def search(
     intra_node_bw: IntraBwOpt = None,
     inter_node_bw: InterBwOpt = None,
     cluster: ClusterOpt = None,
-    strategy: Annotated[str, typer.Option("--strategy", help="Search strategy: exhaustive.")] = "exhaustive",
+    strategy: Annotated[str, typer.Option("--strategy", help="exhaustive, optuna, or auto (exhaustive when the "
+                                          "legal space is small enough, else optuna; says which).")] = "auto",
     top: Annotated[int, typer.Option("--top", min=1, help="How many plans to list.")] = 10,
     memory_limit_gb: MemLimitOpt = None,
     out: Annotated[str, typer.Option("--out", help="Folder for the JSON + Markdown report.")] = "results",
     no_save: Annotated[bool, typer.Option("--no-save", help="Do not write the report.")] = False,
     as_json: JsonOpt = False,
     calibration: CalibrationOpt = None,
+    trials: optuna_cmds.TrialsOpt = None,
+    timeout: optuna_cmds.TimeoutOpt = None,
+    sampler: Annotated[Optional[str], typer.Option("--sampler", help="Optuna sampler: tpe (default), nsga2, "
+                                                   "gp, cmaes, random, grid.")] = None,
+    seed: optuna_cmds.SeedOpt = None,
+    objective: Annotated[Optional[list[str]], typer.Option("--objective", help="tokens_per_s (default), "
+                         "step_time, gpus, cost, memory; repeat for a Pareto front.")] = None,
+    storage: optuna_cmds.StorageOpt = None,
+    study: optuna_cmds.StudyOpt = None,
+    batch_size: optuna_cmds.BatchOpt = None,
 ) -> int:
-    """Score every legal plan and show the fastest that fit in memory."""
+    """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     _check_memory_limit(memory_limit_gb)
-    problem = _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
+    gpu_count = optuna_cmds.parse_search_gpus(gpus)
+    given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed, objective,
+                                                                      storage, study, batch_size)) if value is not None]
+    choice = optuna_cmds.choose(strategy, gpus=gpu_count, objectives=objective, optuna_options=given,
+                                count_legal=lambda: optuna_cmds.legal_count(_problem(
+                                    model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
+                                    intra_node_bw, inter_node_bw, cluster)))
+    if choice.strategy == "optuna":
+        return optuna_cmds.run_optuna_search(
+            model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
+            gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, cluster=cluster,
+            top=top, memory_limit_gb=memory_limit_gb, out=out, no_save=no_save, as_json=as_json,
+            calibration=calibration, trials=trials, timeout=timeout, sampler=sampler, seed=seed,
+            objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
+            requested=strategy)
+    problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
                        inter_node_bw, cluster)
     params, params_source = api.load_params(calibration)
     try:
         with _Spinner("Scoring every legal plan...", enabled=not as_json):
-            result = api.search(problem, strategy=strategy, top_k=top, memory_limit_gb=memory_limit_gb,
+            result = api.search(problem, strategy="exhaustive", top_k=top, memory_limit_gb=memory_limit_gb,
                                 params=params)
     except NothingFits as exc:
         if as_json:
@@ -291,6 +319,7 @@ def search(
         _error_line(str(exc))
         return EXIT_NOTHING_FITS
     report = search_report(result, params_source)
+    report["strategy_choice"] = {"requested": strategy, **choice.as_dict()}
     saved = None
     if not no_save:
         try:
@@ -306,6 +335,8 @@ def search(
     con.print(Text(report["explanation"]))
     con.print()
     con.print(Text(_space_line(report["space"], report["elapsed_s"])))
+    if strategy != "exhaustive":
+        con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved (--no-save)."))
     return EXIT_OK
 
@@ -399,6 +430,8 @@ def validate(
 from cli.analysis_cmds import register as _register_analysis  # noqa: E402
 
 _register_analysis(app)
+# issue 4: worker / studies (search --strategy optuna|auto goes through optuna_cmds.run_optuna_search)
+optuna_cmds.register(app)
 
 
 if __name__ == "__main__":

@@ -201,6 +201,8 @@ class PlanSpace:
     _tables: OrderedDict = field(init=False, default_factory=OrderedDict)
     _problems: dict = field(init=False, default_factory=dict)
     _nonempty: dict = field(init=False, default_factory=dict)
+    _neighbors: dict = field(init=False, default_factory=dict)
+    _domain_cache: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self):
         self.counts = tuple(sorted(set(int(c) for c in self.counts)))
@@ -361,6 +363,111 @@ class PlanSpace:
         out.update({k: int(plan[k]) for k in SAMPLED if k in self.distributions})
         return out
 
+    def is_legal(self, params: dict) -> bool:
+        """Whether complete trial parameters are a legal plan."""
+        n, prefix = self._split(params)
+        if n is None or n not in self.counts or len(prefix) < len(SAMPLED) or not self.has_legal(n):
+            return False
+        lo, hi = self.table(n).slice_of(prefix)
+        return hi > lo
+
+    def neighbors(self, params: dict) -> list[tuple[int, dict]]:
+        """Legal plans reached by moving one or two knobs of `params`, with the move's distance.
+
+        A move sets one or two knobs to other values of their domains; the knobs after them that
+        the move made illegal are repaired to their nearest legal value (pp 2 -> 1 takes vpp to 1).
+        The distance counts the domain steps of the moved knobs (tp 4 -> 8 is one step, mbs 8 -> 4
+        two: 8, 6, 4) plus, as a tie-break fraction, the steps of the repairs. Two-knob moves reach
+        plans no single move reaches (cp down with mbs down, pp down with zero up). Sorted by
+        distance, one entry per plan (cached per plan)."""
+        names = list(self.distributions)
+        base = {k: int(params[k]) for k in names}
+        key = tuple(base[k] for k in names)
+        hit = self._neighbors.get(key)
+        if hit is not None:
+            return hit
+        dom = {k: self._domain_values(k) for k in names}
+        pos = {k: int(np.searchsorted(dom[k], base[k])) for k in names}
+        best: dict = {}
+
+        def consider(moved: dict, steps: int) -> None:
+            got = self.move(base, moved)
+            if got is None:
+                return
+            cand, repair = got
+            ck = tuple(cand[k] for k in names)
+            if ck == key:
+                return
+            d = steps + repair / 100.0
+            if ck not in best or d < best[ck][0]:
+                best[ck] = (d, cand)
+
+        for a, ka in enumerate(names):
+            for ia, va in enumerate(dom[ka]):
+                if ia == pos[ka]:
+                    continue
+                da = abs(ia - pos[ka])
+                consider({ka: int(va)}, da)
+                for kb in names[a + 1:]:
+                    for ib, vb in enumerate(dom[kb]):
+                        if ib != pos[kb]:
+                            consider({ka: int(va), kb: int(vb)}, da + abs(ib - pos[kb]))
+        out = sorted(best.values(), key=lambda dc: dc[0])
+        if len(self._neighbors) > 4096:
+            self._neighbors.clear()
+        self._neighbors[key] = out
+        return out
+
+    def move(self, base: dict, moved: dict) -> tuple[dict, int] | None:
+        """`base` with the knobs in `moved` set, and the later knobs this makes illegal repaired to
+        their nearest legal value: (plan params, domain steps of the repairs), or None if a moved
+        value is not legal there."""
+        cand: dict = {}
+        repair = 0
+        for k in self.distributions:
+            legal = self.legal_values(k, cand)
+            if len(legal) == 0:
+                return None
+            if k in moved:
+                if int(moved[k]) not in legal:
+                    return None
+                cand[k] = int(moved[k])
+            elif int(base[k]) in legal:
+                cand[k] = int(base[k])
+            else:
+                cand[k] = _nearest(legal, base[k], self.distributions[k].log)
+                dom = self._domain_values(k)
+                repair += abs(int(np.searchsorted(dom, cand[k])) - int(np.searchsorted(dom, int(base[k]))))
+        return cand, repair
+
+    def pattern_move(self, parent: dict, child: dict) -> dict | None:
+        """Hooke-Jeeves' pattern move: repeat the step parent -> child once more (in domain steps)."""
+        moved = {}
+        for k in self.distributions:
+            dom = self._domain_values(k)
+            i0, i1 = int(np.searchsorted(dom, int(parent[k]))), int(np.searchsorted(dom, int(child[k])))
+            if i1 != i0:
+                moved[k] = int(dom[min(max(2 * i1 - i0, 0), len(dom) - 1)])
+        if not moved:
+            return None
+        got = self.move(child, moved)
+        return None if got is None else got[0]
+
+    def _domain_values(self, name: str) -> np.ndarray:
+        hit = self._domain_cache.get(name)
+        if hit is not None:
+            return hit
+        self._domain_cache[name] = out = self._domain_values_uncached(name)
+        return out
+
+    def _domain_values_uncached(self, name: str) -> np.ndarray:
+        if name == GPUS:
+            return np.asarray(self.counts, dtype=np.int64)
+        vals: set = set()
+        for n in self.counts:
+            vals.update(domains(self.problem(n), self.fixed)[name])
+        return np.asarray(sorted(vals), dtype=np.int64)
+
     def iter_legal(self) -> Iterator[tuple[int, PlanBatch]]:
         for n in self.counts:
             if self.has_legal(n):
@@ -377,11 +484,36 @@ def _int_distribution(values) -> IntDistribution:
 # ------------------------------------------------------------------------------------------------
 
 class LegalSampler(BaseSampler):
-    """Wraps an Optuna sampler; every value it proposes is projected onto the legal plans."""
+    """Wraps an Optuna sampler; every value it proposes is projected onto the legal plans.
 
-    def __init__(self, base: BaseSampler, space: PlanSpace):
+    Two additions make a model-based sampler (TPE) find the needle-like optima of plan spaces (a
+    handful of plans within 1% of the best among 10^4..10^6, usually right at the memory limit):
+
+    - `retries`: when the base sampler proposes a plan some trial already has, ask it again (up to
+      `retries` times), then take a local move or a random untried legal plan instead.
+    - `refine` (a fraction in [0, 1)): that share of the trials after the first `refine_after` is
+      not asked from the base sampler but is a move from one of the `refine_incumbents` best
+      feasible plans so far to an untried neighbour (`PlanSpace.neighbors`: one or two knobs moved,
+      the nearest first, ranked by TPE's own acquisition l(x)/g(x) when the base is TPE); after a
+      move that improved the best plan, the same move is repeated once more (a Hooke-Jeeves pattern
+      move). It is a local search that finishes what the global model finds (single objective
+      only). Which trials refine depends only on the trial number: reproducible, and it works
+      across workers sharing a study.
+    """
+
+    def __init__(self, base: BaseSampler, space: PlanSpace, *, refine: float = 0.0,
+                 refine_after: int = 0, refine_incumbents: int = 4, seed: int | None = None,
+                 retries: int = 0):
         self.base = base
+        self.retries = int(retries)
         self.space = space
+        self.refine = float(refine)
+        self.refine_after = int(refine_after)
+        self.refine_incumbents = int(refine_incumbents)
+        self.seed = seed
+        self._proposals: dict = {}
+        self._origin: dict = {}         # plan (tuple) -> the incumbent it is a local move from
+        self._snapshot: tuple = (None, [])
 
     def __str__(self) -> str:
         return f"Legal({self.base})"
@@ -390,14 +522,58 @@ class LegalSampler(BaseSampler):
         return self.base.infer_relative_search_space(study, trial)
 
     def sample_relative(self, study, trial: FrozenTrial, search_space: dict) -> dict:
-        proposal = self.base.sample_relative(study, trial, search_space)
-        if not proposal:
-            return {}
-        projected = self.space.project_params(proposal)
+        local = self._proposals.get(trial.number)
+        if local is not None:
+            return {k: v for k, v in local.items() if k in search_space}
+        projected: dict = {}
+        for attempt in range(1 + self.retries):
+            proposal = self.base.sample_relative(study, trial, search_space)
+            if not proposal:
+                return {}
+            projected = self.space.project_params(proposal)
+            if len(projected) < len(self.space.distributions) or not self._tried(study, trial.number, projected):
+                break
+        else:
+            if self.retries:        # the base sampler keeps repeating itself: try something new
+                fresh = self._local_proposal(study, trial.number) or self._random_untried(study, trial.number)
+                if fresh is not None:
+                    self._proposals[trial.number] = fresh
+                    projected = fresh
         return {k: v for k, v in projected.items() if k in search_space}
+
+    def _trials(self, study, number: int) -> list:
+        """The study's trials, read once per trial being sampled (a database query on RDB storage)."""
+        if self._snapshot[0] != number:
+            self._snapshot = (number, study.get_trials(deepcopy=False))
+        return self._snapshot[1]
+
+    def _tried_keys(self, study, number: int) -> set:
+        names = tuple(self.space.distributions)
+        tried = {tuple(t.params.get(k) for k in names) for t in self._trials(study, number) if t.params}
+        return tried | {tuple(p[k] for k in names) for p in self._proposals.values()}
+
+    def _tried(self, study, number: int, params: dict) -> bool:
+        names = tuple(self.space.distributions)
+        return tuple(params[k] for k in names) in self._tried_keys(study, number)
+
+    def _random_untried(self, study, number: int) -> dict | None:
+        rng = np.random.default_rng(None if self.seed is None else [self.seed, number, 1])
+        tried = self._tried_keys(study, number)
+        names = tuple(self.space.distributions)
+        for _ in range(64):
+            n = int(rng.choice([c for c in self.space.counts if self.space.has_legal(c)]))
+            rows = self.space.table(n).rows
+            row = rows[int(rng.integers(len(rows)))]
+            params = self.space.params_of(n, {k: int(v) for k, v in zip(SAMPLED, row)})
+            if tuple(params[k] for k in names) not in tried:
+                return params
+        return None
 
     def sample_independent(self, study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution):
+        local = self._proposals.get(trial.number)
+        if local is not None and param_name in local:
+            return local[param_name]
         value = self.base.sample_independent(study, trial, param_name, param_distribution)
         if param_name not in self.space.distributions:
             return value
@@ -405,12 +581,95 @@ class LegalSampler(BaseSampler):
 
     def before_trial(self, study, trial: FrozenTrial) -> None:
         self.base.before_trial(study, trial)
+        if self._refines(trial.number) and len(study.directions) == 1:
+            proposal = self._local_proposal(study, trial.number)
+            if proposal is not None:
+                self._proposals[trial.number] = proposal
 
     def after_trial(self, study, trial: FrozenTrial, state, values) -> None:
+        self._proposals.pop(trial.number, None)
         self.base.after_trial(study, trial, state, values)
+
+    def _refines(self, number: int) -> bool:
+        if self.refine <= 0 or number < self.refine_after:
+            return False
+        # an even spread: trial k refines when floor(k * refine) steps up
+        return math.floor((number + 1) * self.refine) > math.floor(number * self.refine)
+
+    def _local_proposal(self, study, number: int) -> dict | None:
+        from optuna.trial import TrialState
+        if len(study.directions) != 1:
+            return None
+        trials = self._trials(study, number)
+        names = tuple(self.space.distributions)
+        tried = self._tried_keys(study, number)
+        done = [t for t in trials if t.state == TrialState.COMPLETE and t.values
+                and all(c <= 0 for c in t.constraints.values()) and set(names) <= set(t.params)]
+        if len(done) < 1:
+            return None
+        sign = -1.0 if study.direction == optuna.study.StudyDirection.MAXIMIZE else 1.0
+        done.sort(key=lambda t: (sign * t.values[0], t.number))
+        rng = np.random.default_rng(None if self.seed is None else [self.seed, number])
+        top = tuple(done[0].params[k] for k in names)
+        parent = self._origin.get(top)
+        if parent is not None:          # the best plan came from a local move: repeat that move
+            cand = self.space.pattern_move(parent, done[0].params)
+            if cand is not None and tuple(cand[k] for k in names) not in tried:
+                self._origin[tuple(cand[k] for k in names)] = dict(done[0].params)
+                return cand
+        seen_inc: set = set()
+        options: list = []             # (distance + rank of the incumbent, plan, incumbent)
+        for t in done:
+            key = tuple(t.params[k] for k in names)
+            if key in seen_inc:
+                continue
+            rank = len(seen_inc)
+            seen_inc.add(key)
+            if rank >= self.refine_incumbents:
+                break
+            fresh = [(int(d) + rank, c, t.params) for d, c in self.space.neighbors(t.params)
+                     if tuple(c[k] for k in names) not in tried]
+            if fresh:
+                options += [o for o in fresh if o[0] == fresh[0][0]]
+        if options:
+            low = min(o[0] for o in options)
+            nearest = [o for o in options if o[0] == low]
+            pick = int(rng.integers(len(nearest)))
+            scores = _tpe_acquisition(self.base, study, number, self.space.distributions,
+                                      [c for _, c, _ in nearest])
+            if scores is not None:      # TPE's model ranks the nearest untried neighbours
+                pick = int(np.argmax(scores))
+            _, cand, inc = nearest[pick]
+            self._origin[tuple(cand[k] for k in names)] = dict(inc)
+            return cand
+        return None
 
     def reseed_rng(self) -> None:
         self.base.reseed_rng()
+
+
+def _tpe_acquisition(base, study, number: int, space: dict, candidates: list) -> np.ndarray | None:
+    """TPE's acquisition l(x)/g(x) (log) at given candidates, or None when `base` is not TPE.
+
+    Uses TPESampler internals (the Parzen estimators of the good and the bad trials); if a future
+    Optuna changes them, refinement falls back to picking the nearest neighbour at random."""
+    if not isinstance(base, optuna.samplers.TPESampler) or not candidates:
+        return None
+    try:
+        from optuna.samplers._tpe.sampler import _split_trials, default_gamma, default_gamma_multiobjective
+        from optuna.trial import TrialState
+        trials = [t for t in study._get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED),
+                                               use_cache=False) if t.number != number]
+        gamma = base._gamma or (default_gamma if len(study.directions) <= 1 else default_gamma_multiobjective)
+        below, above = _split_trials(study, trials, gamma(len(trials)))
+        if not below or not above:
+            return None
+        mb = base._build_parzen_estimator(study, space, below, handle_below=True)
+        ma = base._build_parzen_estimator(study, space, above, handle_below=False)
+        samples = {k: np.array([float(c[k]) for c in candidates]) for k in space}
+        return np.asarray(mb.log_pdf(samples) - ma.log_pdf(samples))
+    except Exception:       # noqa: BLE001 - private API: any change means "no ranking"
+        return None
 
 
 class LegalGridSampler(BaseSampler):

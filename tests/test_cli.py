@@ -57,7 +57,8 @@ PROBLEM_OPTIONS = {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", 
                    "--calibration"}
 SURFACE = {
     "": {"--version"},
-    "search": PROBLEM_OPTIONS | {"--strategy", "--top", "--out", "--no-save"},
+    "search": PROBLEM_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
+                                 "--seed", "--objective", "--storage", "--study", "--batch-size"},
     "predict": PROBLEM_OPTIONS | {"--plan"},
     "validate": {"file", "--json", "--all", "--calibration"},
     "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
@@ -67,6 +68,8 @@ SURFACE = {
                   "--gpus-per-node", "--plan", "--json"},
     "whatif": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--inter-node-bw",
                "--gpus-per-node", "--memory-limit-gb", "--json"},
+    "worker": {"--storage", "--study", "--trials", "--timeout", "--batch-size", "--seed", "--stale-after", "--json"},
+    "studies": {"--storage", "--study", "--export", "--top", "--json"},
 }
 
 

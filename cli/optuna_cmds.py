@@ -1,0 +1,378 @@
+"""Optuna on the command line (issue 4): `autotune worker`, `autotune studies`, and the Optuna path
+of `autotune search` (`run_optuna_search`, called for --strategy optuna, or auto when it picks
+Optuna). Thin shells over `autotune.optuna_search` and `autotune.studies`; `register(app)` adds the
+two commands to the root app.
+
+Errors follow the root group's contract: a SpecError becomes one `error:` line and exit code 2;
+no plan fits gives exit code 3; Ctrl-C stops after the batch in flight, keeps every finished trial,
+prints what was found and exits 130. A storage URL's password is never printed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from autotune import optuna_search as osr
+from autotune.report import report_basename, save_report, search_report
+from autotune.search import NothingFits
+from autotune.studies import export_study, list_studies, redact_url, show_study
+from costmodels.specs import SpecError
+from search_spaces.optuna_space import GpuRange, parse_gpus
+
+EXIT_OK, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 3, 130
+
+#: search options that only Optuna uses; giving one makes `--strategy auto` pick Optuna
+OPTUNA_OPTIONS = ("--trials", "--timeout", "--sampler", "--seed", "--objective", "--storage", "--study",
+                  "--batch-size")
+
+StorageOpt = Annotated[Optional[str], typer.Option(
+    "--storage", help="Optuna storage: sqlite:///FILE, journal:FILE, postgresql://USER:PASSWORD@HOST/DB "
+                      "(default: in memory). The password is never printed.")]
+StudyOpt = Annotated[Optional[str], typer.Option("--study", help="Study name in the storage.")]
+TrialsOpt = Annotated[Optional[int], typer.Option("--trials", help="Trials to run (this worker's share).")]
+TimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Stop after this many seconds.")]
+BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", help="Trials asked and scored together.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampler seed (same seed, same trials).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout and nothing else.")]
+
+
+def _print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _console() -> Console:
+    con = Console(highlight=False)
+    if not con.is_terminal:
+        con = Console(highlight=False, width=max(con.width, 200))
+    return con
+
+
+def _error_line(message: str) -> None:
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    sys.stderr.flush()
+
+
+# ------------------------------------------------------------------------------------------------
+# search --strategy optuna | auto
+# ------------------------------------------------------------------------------------------------
+
+def parse_search_gpus(text: Optional[str]) -> int | GpuRange | None:
+    """--gpus of `search`: a count, or a range (256-2048, 256-2048:64, 256-2048:pow2)."""
+    if text is None:
+        return None
+    s = str(text).strip()
+    if s.lstrip("+-").isdigit():
+        n = int(s)
+        if n <= 0:
+            raise SpecError("gpus", f"must be a positive integer, got {n}")
+        return n
+    return parse_gpus(s, "--gpus")
+
+
+def legal_count(problem) -> int:
+    """How many legal plans the problem has (what `--strategy auto` compares with its threshold)."""
+    from search_spaces.space import count_legal
+    return count_legal(problem).legal
+
+
+def choose(strategy: str, *, gpus, objectives, optuna_options: list[str],
+           count_legal: Callable[[], int]) -> osr.StrategyChoice:
+    """Which strategy `search` runs, and why (`--strategy auto` is the default)."""
+    req = str(strategy).strip().lower()
+    if req == "exhaustive" and optuna_options:
+        raise SpecError(optuna_options[0], "applies to --strategy optuna or auto, not exhaustive")
+    if req == "auto" and optuna_options and not isinstance(gpus, GpuRange):
+        osr.choose_strategy("optuna", gpus=gpus, objectives=objectives)      # checks the arguments
+        return osr.StrategyChoice("optuna", f"Optuna options given ({', '.join(optuna_options)})")
+    return osr.choose_strategy(req, gpus=gpus, objectives=objectives, count_legal=count_legal)
+
+
+class _ProgressBar:
+    """A rich progress bar on stderr with the best plan so far (only when stderr is a terminal)."""
+
+    def __init__(self, total: int | None, label: str, enabled: bool):
+        err = Console(stderr=True)
+        self.bar = None
+        if enabled and err.is_terminal:
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=err, transient=True)
+            self.task = self.bar.add_task(label, total=total)
+            self.label = label
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        return False
+
+    def __call__(self, done: int, stats, best: dict | None):
+        if self.bar is None:
+            return None
+        desc = self.label
+        if best is not None:
+            p = best["plan"]
+            desc = (f"best {best['tokens_per_s'] / best['gpus']:,.0f} tok/s/GPU on {best['gpus']} GPUs "
+                    f"(tp{p['tp']} pp{p['pp']} dp{p['dp']} cp{p['cp']} ep{p['ep']} mbs{p['mbs']})")
+        self.bar.update(self.task, completed=done, description=desc)
+        return None
+
+
+def _plans_table(reports: list, title: str = "Best plans found") -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("#", "trial", "GPUs", "TP", "PP", "DP", "CP", "EP", "VPP", "MBS", "recompute", "SP", "ZeRO",
+                "step (s)", "tokens/s/GPU", "MFU", "mem GB"):
+        table.add_column(col, justify="left" if col in ("recompute", "SP") else "right")
+    for i, r in enumerate(reports, 1):
+        p = r["plan"]
+        table.add_row(str(i), str(r.get("trial", "")), str(r.get("num_gpus", "")), str(p["tp"]), str(p["pp"]),
+                      str(p["dp"]), str(p["cp"]), str(p["ep"]), str(p["vpp"]), str(p["mbs"]), str(p["recompute"]),
+                      "on" if p["sp"] else "off", str(p["zero"]), f"{r['step_time_s']:.3f}",
+                      f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}", f"{r['memory_gb']['total']:.1f}")
+    return table
+
+
+def _pareto_table(front: list, objectives: list) -> Table:
+    table = Table(title="Pareto front (feasible trials no other trial beats on every objective)",
+                  title_justify="left")
+    for col in ["#", "trial"] + [f"{o['name']} ({o['direction'][:3]})" for o in objectives] + ["plan"]:
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for i, f in enumerate(front, 1):
+        p = f["plan"]
+        vals = [_fmt(f["values"][o["name"]]) for o in objectives]
+        table.add_row(str(i), str(f["trial"]), *vals,
+                      f"tp{p['tp']} pp{p['pp']} dp{p['dp']} cp{p['cp']} ep{p['ep']} vpp{p['vpp']} mbs{p['mbs']} "
+                      f"{p['recompute']} sp={'on' if p['sp'] else 'off'} zero{p['zero']}")
+    return table
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.4g}"
+
+
+def _markdown_section(report: dict) -> str:
+    o = report["optuna"]
+    lines = [f"Sampler {o['sampler']} (seed {o['seed']}), {o['n_trials']} trials ({o['n_feasible']} feasible) "
+             f"in study `{o['study']}` of storage `{o['storage']}`; objectives "
+             + ", ".join(f"{x['name']} ({x['direction']})" for x in o["objectives"]) + "."]
+    front = o.get("pareto_front")
+    if front:
+        names = [x["name"] for x in o["objectives"]]
+        lines += ["", "| # | trial | " + " | ".join(names) + " | plan |",
+                  "|---|---|" + "---|" * len(names) + "---|"]
+        for i, f in enumerate(front, 1):
+            lines.append(f"| {i} | {f['trial']} | " + " | ".join(_fmt(f["values"][n]) for n in names)
+                         + f" | {','.join(f'{k}={v}' for k, v in f['plan'].items())} |")
+        if o.get("pareto_plot"):
+            lines += ["", f"![Pareto front]({o['pareto_plot']})"]
+    return "\n".join(lines)
+
+
+def _write_plot(report: dict, points: list, out: str) -> None:
+    o = report["optuna"]
+    objs = o["objectives"]
+    if len(objs) < 2 or not o.get("pareto_front"):
+        return
+    lab = {x["name"]: osr.OBJECTIVES[x["name"]].label for x in objs}
+    y_name, x_name = objs[0]["name"], objs[1]["name"]
+    front = [(f["values"][x_name], f["values"][y_name]) for f in o["pareto_front"]]
+    pts = [(p[1], p[0]) for p in points]
+    title = f"{report['problem']['model']['name']}: {lab[y_name]} vs {lab[x_name]}"
+    if len(objs) > 2:
+        title += f" (front of {len(objs)} objectives)"
+    svg = osr.pareto_svg(pts, front, lab[x_name], lab[y_name], title)
+    name = report_basename(report) + "_pareto.svg"
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as fh:
+        fh.write(svg)
+    o["pareto_plot"] = name
+
+
+def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Optional[int],
+                      seq_len: Optional[int], precision: str, gpus_per_node: Optional[int],
+                      intra_node_bw: Optional[float], inter_node_bw: Optional[float], cluster: Optional[str],
+                      top: int, memory_limit_gb: Optional[float], out: str, no_save: bool, as_json: bool,
+                      calibration: Optional[str], trials: Optional[int], timeout: Optional[float],
+                      sampler: Optional[str], seed: Optional[int], objectives: Optional[list],
+                      storage: Optional[str], study: Optional[str], batch_size: Optional[int],
+                      choice: osr.StrategyChoice | None = None, requested: str = "optuna") -> int:
+    """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
+    if isinstance(gpus, GpuRange) or gpus is None:
+        gpus_text = None if gpus is None else str(gpus)
+    else:
+        gpus_text = str(int(gpus))
+    spec = osr.StudySpec(
+        model=model, gpu=gpu, gpus=gpus_text, global_batch=global_batch, seq_len=seq_len, precision=precision,
+        gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw,
+        cluster_file=cluster, memory_limit_gb=memory_limit_gb, calibration=calibration,
+        objectives=osr.parse_objectives(objectives or ()), sampler=sampler or osr.DEFAULT_SAMPLER, seed=seed,
+        batch_size=osr.DEFAULT_BATCH if batch_size is None else batch_size)
+    if trials is None and timeout is None:
+        trials = osr.DEFAULT_TRIALS
+    label = f"optuna {spec.sampler}: scoring trials"
+    try:
+        with _ProgressBar(trials, label, enabled=not as_json) as bar:
+            result = osr.optuna_search(spec, n_trials=trials, timeout_s=timeout, storage_url=storage,
+                                       study_name=study, top_k=top, progress=bar)
+    except NothingFits as exc:
+        if as_json:
+            _print_json({"error": str(exc), "closest": exc.closest, "space": exc.space})
+        _error_line(str(exc))
+        return EXIT_NOTHING_FITS
+    params_source = calibration or "defaults"
+    info = result.extra["optuna"]
+    points = info.pop("pareto_points", [])
+    report = search_report(result, params_source)
+    report["strategy_choice"] = {"requested": requested, **(choice or osr.StrategyChoice("optuna", "requested")).as_dict()}
+    saved = None
+    if not no_save:
+        try:
+            _write_plot(report, points, out)
+            report["sections"] = [{"title": "Optuna", "markdown": _markdown_section(report)}]
+            saved = save_report(report, out)
+        except OSError as exc:
+            raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
+    code = EXIT_INTERRUPTED if info.get("interrupted") else EXIT_OK
+    if as_json:
+        _print_json(report)
+        if code == EXIT_INTERRUPTED:
+            _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
+        return code
+    con = _console()
+    con.print(Text(f"Strategy: optuna ({report['strategy_choice']['reason']}); sampler {info['sampler']}, "
+                   f"seed {info['seed']}, batch {info['batch_size']}."))
+    con.print(_plans_table(report["top"]))
+    if info.get("pareto_front"):
+        con.print(_pareto_table(info["pareto_front"], info["objectives"]))
+    con.print()
+    con.print(Text(report["explanation"]))
+    con.print()
+    run = info.get("run", {})
+    con.print(Text(f"Study {info['study']} in {info['storage']}: {info['n_trials']} trials, {info['n_feasible']} "
+                   f"feasible; this run {run.get('trials', 0)} trials in {run.get('elapsed_s', 0):.2f} s "
+                   f"({run.get('wall_per_trial_ms', 0):.1f} ms per trial, {run.get('model_share', 0):.0%} in "
+                   f"the cost model){'; resumed' if info.get('resumed') else ''}."))
+    if saved:
+        plot = f" and {os.path.join(out, info['pareto_plot'])}" if info.get("pareto_plot") else ""
+        con.print(Text(f"Report saved to {saved[0]}, {saved[1]}{plot}"))
+    else:
+        con.print(Text("Report not saved (--no-save)."))
+    if code == EXIT_INTERRUPTED:
+        _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
+    return code
+
+
+# ------------------------------------------------------------------------------------------------
+# worker
+# ------------------------------------------------------------------------------------------------
+
+def worker(
+    storage: Annotated[str, typer.Option("--storage", help="The study's storage URL (sqlite:///..., "
+                                         "journal:..., postgresql://...). The password is never printed.")],
+    study: Annotated[str, typer.Option("--study", help="Study name (created by `autotune search --strategy optuna`).")],
+    trials: TrialsOpt = None,
+    timeout: TimeoutOpt = None,
+    batch_size: BatchOpt = None,
+    seed: SeedOpt = None,
+    stale_after: Annotated[float, typer.Option("--stale-after", help="Fail RUNNING trials older than this "
+                                               "many seconds (left by a dead worker).")] = osr.STALE_AFTER_S,
+    as_json: JsonOpt = False,
+) -> int:
+    """Run trials of a shared study: its problem comes from the study; --trials is this worker's share."""
+    if trials is None and timeout is None:
+        raise SpecError("--trials", "give --trials N (this worker's share) or --timeout SECONDS")
+    with _ProgressBar(trials, f"worker on {study}", enabled=not as_json) as bar:
+        out = osr.run_worker(storage, study, n_trials=trials, timeout_s=timeout, batch_size=batch_size, seed=seed,
+                             stale_after_s=stale_after, progress=bar)
+    code = EXIT_INTERRUPTED if out["run"]["interrupted"] else EXIT_OK
+    if as_json:
+        _print_json(out)
+    else:
+        con = _console()
+        run, st = out["run"], out["study_trials"]
+        zombies = f"; failed {run['zombies_failed']} stale RUNNING trials" if run["zombies_failed"] else ""
+        con.print(Text(f"Worker {out['worker']} ran {run['trials']} trials of study {out['study']} in "
+                       f"{out['storage']} ({run['elapsed_s']:.2f} s, {run['wall_per_trial_ms']:.1f} ms per trial); "
+                       f"the study holds {st['complete']} complete, {st['running']} running, {st['fail']} failed "
+                       f"trials{zombies}."))
+        best = out.get("best")
+        if best:
+            con.print(_plans_table([best], title="Best plan of the study"))
+    if code == EXIT_INTERRUPTED:
+        _error_line(f"interrupted: {out['run']['trials']} trials of this worker kept in study {study}")
+    return code
+
+
+# ------------------------------------------------------------------------------------------------
+# studies
+# ------------------------------------------------------------------------------------------------
+
+def studies(
+    storage: Annotated[str, typer.Option("--storage", help="Storage URL to read.")],
+    study: Annotated[Optional[str], typer.Option("--study", help="Show this study (default: list them all).")] = None,
+    export: Annotated[Optional[str], typer.Option("--export", help="Write the study's trials to FILE "
+                                                  "(.csv or .json); needs --study.")] = None,
+    top: Annotated[int, typer.Option("--top", min=1, help="Best plans to show.")] = 5,
+    as_json: JsonOpt = False,
+) -> int:
+    """List the studies of a storage, show one (--study), or export its trials (--export FILE)."""
+    if export and not study:
+        raise SpecError("--export", "needs --study NAME")
+    if export:
+        out = export_study(storage, study, export)
+        if as_json:
+            _print_json(out)
+        else:
+            _console().print(Text(f"Exported {out['trials']} trials of {study} to {out['path']} ({out['format']})."))
+        return EXIT_OK
+    if study:
+        out = show_study(storage, study, top=top)
+        if as_json:
+            _print_json(out)
+            return EXIT_OK
+        con = _console()
+        p = out.get("problem") or {}
+        con.print(Text(f"Study {out['name']} in {out['storage']}: {p.get('model')} on {p.get('gpus')} x "
+                       f"{p.get('gpu')}, objectives {', '.join(out['objectives'])}, sampler {out.get('sampler')}; "
+                       f"trials {out['trials']}."))
+        table = Table(title="Best feasible trials", title_justify="left")
+        for col in ("trial", "values", "GPUs", "plan", "step (s)", "mem GB"):
+            table.add_column(col)
+        for t in out["best"]:
+            plan = t["user_attrs"].get("plan") or {}
+            a = t["user_attrs"].get("metrics") or {}
+            table.add_row(str(t["number"]), ", ".join(_fmt(v) for v in (t["values"] or [])), str(a.get("gpus")),
+                          ",".join(f"{k}={v}" for k, v in plan.items()), f"{a.get('step_time_s', 0):.3f}",
+                          f"{a.get('memory_gb', 0):.1f}")
+        con.print(table)
+        return EXIT_OK
+    rows = list_studies(storage)
+    if as_json:
+        _print_json({"storage": redact_url(storage), "studies": rows})
+        return EXIT_OK
+    con = _console()
+    table = Table(title=f"Studies in {redact_url(storage)}", title_justify="left")
+    for col in ("name", "problem", "objectives", "sampler", "trials", "started"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["problem"], ", ".join(r["objectives"]), str(r["sampler"]),
+                      ", ".join(f"{k} {v}" for k, v in r["trials"].items()), str(r["started"]))
+    con.print(table)
+    return EXIT_OK
+
+
+def register(app: typer.Typer) -> None:
+    app.command("worker")(worker)
+    app.command("studies")(studies)

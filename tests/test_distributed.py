@@ -1,0 +1,175 @@
+"""Distributed Optuna search on PostgreSQL, for real (issue 4, "measured" 3).
+
+Worker processes (`autotune worker`) share one study in a PostgreSQL database through Optuna's RDB
+storage. The server comes from `.ci/services.sh` (CI runs it before pytest); the URL is
+AUTOTUNE_TEST_PG_URL, else postgresql://autotune:autotune@127.0.0.1:5432/autotune_test.
+Without a reachable server these tests skip, saying why; under CI (CI=true) they fail instead, so
+CI can never pass by skipping them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune import optuna_search as osr
+from autotune.api import build_problem
+from autotune.search import exhaustive
+from autotune.studies import redact_url
+
+REPO = Path(__file__).resolve().parents[1]
+PG_URL = os.environ.get("AUTOTUNE_TEST_PG_URL", "postgresql://autotune:autotune@127.0.0.1:5432/autotune_test")
+SMALL = dict(model="llama3-8b", gpu="h100", gpus="8", global_batch=16, seq_len=4096)
+PINNED = {"zero": 1, "recompute": 0, "sp": 1, "vpp": 1}   # 30 legal plans: 48 trials reach the optimum
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _unreachable(url: str) -> str | None:
+    """Why the server cannot be used, or None."""
+    try:
+        import sqlalchemy
+        engine = sqlalchemy.create_engine(url, connect_args={"connect_timeout": 3})
+        with engine.connect() as conn:
+            conn.execute(sqlalchemy.text("select 1"))
+        engine.dispose()
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure means "no server for the tests"
+        orig = getattr(exc, "orig", None) or exc
+        return " ".join(str(orig).split())[:200] or type(orig).__name__
+
+
+@pytest.fixture(scope="module")
+def pg() -> str:
+    why = _unreachable(PG_URL)
+    if why is not None:
+        where = redact_url(PG_URL)
+        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI: PostgreSQL at {where} is unreachable ({why}); .ci/services.sh must start it")
+        pytest.skip(f"no PostgreSQL reachable at {where} ({why}); run `bash .ci/services.sh` "
+                    f"or set AUTOTUNE_TEST_PG_URL")
+    return PG_URL
+
+
+@pytest.fixture
+def study_name(pg):
+    names: list = []
+
+    def make(tag: str) -> str:
+        names.append(f"test-{tag}-{uuid.uuid4().hex[:8]}")
+        return names[-1]
+
+    yield make
+    for name in names:
+        try:
+            optuna.delete_study(study_name=name, storage=pg)
+        except KeyError:
+            pass
+
+
+def _create(pg: str, name: str, **kw) -> None:
+    """A study holding its problem, with no trial yet (what `search --storage` leaves behind)."""
+    spec = osr.StudySpec(**SMALL, **kw).resolved()
+    space = spec.build_space()
+    osr.create_study(spec, storage_url=pg, study_name=name, sampler=osr.make_sampler(spec.sampler, None, space, 1))
+
+
+def _worker(pg: str, name: str, trials: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", "from cli.main import app; app()", "worker", "--storage", pg, "--study", name,
+           "--trials", str(trials), "--json", *extra]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err
+    assert "autotune:autotune@" not in out + err            # the password is never printed
+    return json.loads(out)
+
+
+def _states(pg: str, name: str) -> list:
+    return optuna.load_study(study_name=name, storage=pg).get_trials(deepcopy=False)
+
+
+def test_four_workers_share_one_study(pg, study_name):
+    shared, single = study_name("shared"), study_name("single")
+    _create(pg, shared, fixed=PINNED)
+    _create(pg, single, fixed=PINNED)
+    procs = [_worker(pg, shared, 12) for _ in range(4)]
+    outs = [_finish(p) for p in procs]
+    assert [o["run"]["trials"] for o in outs] == [12, 12, 12, 12]
+    assert len({o["worker"] for o in outs}) == 4
+    assert all(o["storage"] == redact_url(pg) for o in outs)
+
+    trials = _states(pg, shared)
+    # exactly the requested number of finished trials: none lost, none duplicated
+    assert len(trials) == 48
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    assert sorted(t.number for t in trials) == list(range(48))
+    assert len({t._trial_id for t in trials}) == 48
+    assert len({t.user_attrs["worker"] for t in trials}) == 4
+
+    one = _finish(_worker(pg, single, 48))
+    assert one["run"]["trials"] == 48
+    ref = exhaustive(build_problem(**{**SMALL, "gpus": 8}), fixed=PINNED)
+    best_shared = osr.best_trials(optuna.load_study(study_name=shared, storage=pg), ("tokens_per_s",), 1)[0]
+    assert best_shared.user_attrs["plan"] == ref.best["plan"]
+    assert one["best"]["plan"] == ref.best["plan"] == outs[-1]["best"]["plan"]
+    assert one["best"]["step_time_s"] == pytest.approx(ref.best["step_time_s"], rel=1e-5)
+
+
+def test_a_killed_worker_is_resumed(pg, study_name):
+    name = study_name("kill")
+    _create(pg, name)
+    victim = _worker(pg, name, 100_000, "--batch-size", "4")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if sum(t.state == TrialState.COMPLETE for t in _states(pg, name)) >= 12:
+            break
+        time.sleep(0.2)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    before = _states(pg, name)
+    done_before = sum(t.state == TrialState.COMPLETE for t in before)
+    running_before = sum(t.state == TrialState.RUNNING for t in before)
+    assert done_before >= 12
+    # a trial the dead worker had asked for and never told: RUNNING forever unless handled
+    study = optuna.load_study(study_name=name, storage=pg)
+    zombie = study.ask()
+    zombie.set_user_attr("worker", f"{socket.gethostname()}:{victim.pid}")
+
+    out = _finish(_worker(pg, name, 12))
+    assert out["run"]["trials"] == 12
+    assert out["run"]["zombies_failed"] == running_before + 1
+    after = _states(pg, name)
+    assert sum(t.state == TrialState.COMPLETE for t in after) == done_before + 12
+    assert not [t for t in after if t.state == TrialState.RUNNING]
+    failed = [t for t in after if t.state == TrialState.FAIL]
+    assert len(failed) == running_before + 1
+    assert all("stopped" in t.user_attrs.get("failed_reason", "") for t in failed)
+    assert out["best"]["fits"]
+
+
+def test_search_command_creates_a_study_workers_can_join(pg, study_name, tmp_path):
+    name = study_name("cli")
+    cmd = [sys.executable, "-c", "from cli.main import app; app()", "search", "--model", "llama3-8b", "--gpu", "h100",
+           "--gpus", "8", "--global-batch", "16", "--seq-len", "4096", "--strategy", "optuna", "--trials", "8",
+           "--storage", pg, "--study", name, "--json", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep["optuna"]["storage"] == redact_url(pg) and rep["optuna"]["study"] == name
+    saved = "".join(p.read_text() for p in tmp_path.iterdir())
+    assert "autotune:autotune@" not in res.stdout + res.stderr + saved
+    out = _finish(_worker(pg, name, 8))
+    assert out["study_trials"]["complete"] == 16

@@ -1,0 +1,442 @@
+"""Optuna search (issue 4): legal define-by-run sampling, batched ask/tell, constraints, seeding,
+resume, the Pareto front against the exhaustive scorer, storages, the CLI, and bad input.
+
+Problems are small (8..32 GPUs, some knobs pinned) so the whole file runs in well under a minute.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pytest
+from typer.testing import CliRunner
+
+from autotune import optuna_search as osr
+from autotune.api import build_problem
+from autotune.optuna_search import BatchScorer, StudySpec, optuna_search
+from autotune.search import NothingFits, exhaustive
+from autotune.studies import open_storage, redact_url, scrub
+from cli.main import app
+from costmodels.plan import PLAN_FIELDS
+from costmodels.specs import SpecError
+from search_spaces.optuna_space import GPUS, GpuRange, LegalSampler, PlanSpace, parse_gpus
+from search_spaces.space import check_rows, count_legal, enumerate_legal
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(model="llama3-8b", gpu="h100", gpus="8", global_batch=16, seq_len=4096)
+SMALL_CLI = ["--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "16", "--seq-len", "4096"]
+runner = CliRunner()
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def run_cli(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_error_line(result, code: int, *needles: str) -> str:
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr, result.exception)
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The space: one definition, legal sampling
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_space():
+    spec = StudySpec(**SMALL).resolved()
+    return spec, spec.build_space()
+
+
+def test_table_is_the_legal_enumeration(small_space):
+    spec, space = small_space
+    problem = space.problem(8)
+    plans = space.legal_plans(8)
+    assert len(plans) == count_legal(problem).legal
+    legal, _ = check_rows({f: np.asarray(plans[f]) for f in PLAN_FIELDS}, problem)
+    assert legal.all()
+    stream, _ = enumerate_legal(problem)
+    ref = {tuple(int(b[f][i]) for f in PLAN_FIELDS) for b in stream for i in range(len(b))}
+    got = {tuple(int(plans[f][i]) for f in PLAN_FIELDS) for i in range(len(plans))}
+    assert got == ref
+
+
+def test_distributions_derive_from_the_knob_domains(small_space):
+    _, space = small_space
+    # dense model: ep and etp have one value each, so they are constants, not parameters
+    assert space.constants == {"ep": 1, "etp": 1}
+    assert list(space.distributions) == ["tp", "cp", "pp", "vpp", "mbs", "recompute", "sp", "zero"]
+    assert space.distributions["tp"].log and not space.distributions["recompute"].log
+    assert (space.distributions["zero"].low, space.distributions["zero"].high) == (0, 3)
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "nsga2", "cmaes"])
+def test_every_trial_is_a_legal_plan(small_space, sampler):
+    spec, space = small_space
+    s = osr.make_sampler(sampler, 3, space, 1)
+    study = optuna.create_study(sampler=s, direction="maximize")
+    problem = space.problem(8)
+    for _ in range(60):
+        trial = study.ask()
+        n, plan = space.suggest(trial)
+        legal, counts = check_rows({f: np.array([plan[f]]) for f in PLAN_FIELDS}, problem)
+        assert legal[0], (plan, counts)
+        study.tell(trial, float(np.random.default_rng(trial.number).random()))
+
+
+def test_projection_picks_the_nearest_legal_value(small_space):
+    _, space = small_space
+    legal_pp = space.legal_values("pp", {"tp": 8, "cp": 1})
+    assert list(legal_pp) == [1]                       # 8 GPUs, tp=8: pp must be 1
+    assert space.project("pp", 4, {"tp": 8, "cp": 1}) == 1
+    assert space.project("tp", 3, {}) in (2, 4)
+
+
+def test_gpu_range_is_the_first_knob_and_counts_are_whole_nodes():
+    r = parse_gpus("256-2048")
+    assert isinstance(r, GpuRange) and r.counts(8)[:3] == (256, 264, 272) and r.counts(8)[-1] == 2048
+    assert parse_gpus("256-2048:pow2").counts(8) == (256, 512, 1024, 2048)
+    assert parse_gpus("16-64:16").counts(8) == (16, 32, 48, 64)
+    assert parse_gpus("1-16").counts(8) == (1, 2, 4, 8, 16)
+    assert parse_gpus("512") == 512
+    spec = StudySpec(**{**SMALL, "gpus": "8-32:pow2"}).resolved()
+    space = spec.build_space()
+    assert space.is_range and list(space.distributions)[0] == GPUS and space.counts == (8, 16, 32)
+
+
+@pytest.mark.parametrize("text,needle", [("300-303", "holds no GPU count"), ("64-8", "empty"),
+                                         ("8-64:12", "multiple of the node size"), ("a-b", "expected"),
+                                         ("8-64:xyz", "unknown range step")])
+def test_bad_gpu_ranges_name_the_field(text, needle):
+    with pytest.raises(SpecError) as exc:
+        parse_gpus(text).counts(8)
+    assert exc.value.field == "gpus" and needle in str(exc.value)
+
+
+def test_neighbors_are_legal_and_sorted(small_space):
+    _, space = small_space
+    plans = space.legal_plans(8)
+    params = space.params_of(8, {f: int(plans[f][len(plans) // 2]) for f in PLAN_FIELDS})
+    nb = space.neighbors(params)
+    assert nb and all(space.is_legal(c) for _, c in nb)
+    assert [d for d, _ in nb] == sorted(d for d, _ in nb)
+
+
+# ---------------------------------------------------------------------------------------------
+# Search: the exhaustive optimum, constraints, seeding, resume
+# ---------------------------------------------------------------------------------------------
+
+PINNED = {"zero": 1, "recompute": 0, "sp": 1}        # 93 legal plans
+
+
+def test_tpe_reaches_the_exhaustive_optimum_on_a_small_space():
+    problem = build_problem(**{**SMALL, "gpus": 8})
+    ref = exhaustive(problem, fixed=PINNED)
+    res = optuna_search(StudySpec(**SMALL, fixed=PINNED, seed=0), n_trials=120)
+    assert res.best["plan"] == ref.best["plan"]
+    assert res.best["step_time_s"] == pytest.approx(ref.best["step_time_s"], rel=1e-5)
+    assert res.strategy == "optuna" and res.extra["optuna"]["n_trials"] == 120
+
+
+def test_infeasible_plans_are_never_reported_as_best():
+    # a tight memory limit: most plans do not fit, and Optuna is told so by a constraint
+    spec = StudySpec(**SMALL, memory_limit_gb=40.0, seed=1)
+    res = optuna_search(spec, n_trials=60)
+    assert res.best["fits"] and all(r["fits"] for r in res.top)
+    assert res.best["memory_gb"]["total"] <= 40.0
+    ref = exhaustive(build_problem(**{**SMALL, "gpus": 8}), memory_limit_gb=40.0)
+    assert res.best["step_time_s"] >= ref.best["step_time_s"] * (1 - 1e-6)
+    assert res.extra["optuna"]["n_feasible"] < res.extra["optuna"]["n_trials"]
+
+
+def test_nothing_fits_is_exit_3_material():
+    with pytest.raises(NothingFits) as exc:
+        optuna_search(StudySpec(**SMALL, memory_limit_gb=2.0, seed=0), n_trials=16)
+    assert exc.value.closest["fits"] is False and "memory" in str(exc.value)
+
+
+def _trials(seed: int, sampler: str, n: int = 40) -> list[dict]:
+    """The parameters of n trials of an in-memory study (the batched ask/tell loop of `search`)."""
+    spec = StudySpec(**SMALL, seed=seed, sampler=sampler).resolved()
+    space = spec.build_space()
+    study, _ = osr.create_study(spec, storage_url=None, study_name=None,
+                                sampler=osr.make_sampler(sampler, seed, space, 1))
+    osr.run_batches(study, space, BatchScorer(space, spec.params(), None), spec.objectives, n_trials=n,
+                    timeout_s=None, batch_size=spec.batch_size, sampler_name=sampler)
+    return [t.params for t in study.trials]
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "nsga2", "cmaes"])
+def test_same_seed_same_trials(sampler):
+    a = _trials(7, sampler)
+    assert a == _trials(7, sampler)
+    assert a != _trials(8, sampler)
+
+
+def test_resume_sqlite_50_plus_50(tmp_path):
+    url = f"sqlite:///{tmp_path}/studies.db"
+    spec = StudySpec(**SMALL, seed=3)
+    r1 = optuna_search(spec, n_trials=50, storage_url=url, study_name="resume")
+    assert r1.extra["optuna"]["n_trials"] == 50 and not r1.extra["optuna"]["resumed"]
+    r2 = optuna_search(spec, n_trials=50, storage_url=url, study_name="resume")
+    assert r2.extra["optuna"]["resumed"] and r2.extra["optuna"]["n_trials"] == 100
+    study = optuna.load_study(study_name="resume", storage=url)
+    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) == 100
+    assert sorted(t.number for t in study.trials) == list(range(100))
+    # the best never gets worse by resuming
+    assert r2.best["tokens_per_s"] >= r1.best["tokens_per_s"]
+    # another problem under the same study name is refused
+    with pytest.raises(SpecError) as exc:
+        optuna_search(StudySpec(**{**SMALL, "global_batch": 32}), n_trials=5, storage_url=url, study_name="resume")
+    assert exc.value.field == "study"
+
+
+def test_study_remembers_its_problem_and_trials_hold_plans(tmp_path):
+    url = f"sqlite:///{tmp_path}/attrs.db"
+    optuna_search(StudySpec(**SMALL, seed=0), n_trials=8, storage_url=url, study_name="attrs")
+    study = optuna.load_study(study_name="attrs", storage=url)
+    spec = StudySpec.from_attrs(study.user_attrs["autotune"])
+    assert spec.model == "llama3-8b" and spec.gpus == "8" and spec.global_batch == 16
+    t = study.trials[0]
+    assert set(t.user_attrs["plan"]) == set(PLAN_FIELDS)
+    assert set(t.user_attrs) == {"plan", "metrics", "worker"}
+    for key in ("step_time_s", "tokens_per_s", "memory_gb", "fits", "gpus", "cost_gpu_h", osr.CONSTRAINT):
+        assert key in t.user_attrs["metrics"]
+    assert set(t.constraints) == {osr.CONSTRAINT}
+
+
+def test_journal_storage_and_grid_sampler_cover_every_plan_once(tmp_path):
+    url = f"journal:{tmp_path}/study.log"
+    spec = StudySpec(**SMALL, fixed=PINNED, sampler="grid", seed=0)
+    res = optuna_search(spec, n_trials=1000, storage_url=url, study_name="grid")
+    assert res.extra["optuna"]["n_trials"] == 93             # the grid stops at the legal space
+    study = optuna.load_study(study_name="grid", storage=open_storage(url))
+    keys = {tuple(sorted(t.params.items())) for t in study.trials}
+    assert len(keys) == 93
+    ref = exhaustive(build_problem(**{**SMALL, "gpus": 8}), fixed=PINNED)
+    assert res.best["plan"] == ref.best["plan"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-objective: the Pareto front, confirmed by the exhaustive scorer
+# ---------------------------------------------------------------------------------------------
+
+def test_pareto_front_is_non_dominated_among_all_legal_plans():
+    spec = StudySpec(**{**SMALL, "gpus": "8-32:pow2"}, fixed=PINNED, objectives=("tokens_per_s", "gpus"),
+                     sampler="tpe", seed=0, batch_size=16)
+    res = optuna_search(spec, n_trials=300)
+    front = res.extra["optuna"]["pareto_front"]
+    assert front and all(f["fits"] for f in front)
+    # every legal plan of every GPU count of the range, scored exhaustively
+    space = spec.resolved().build_space()
+    scorer = BatchScorer(space, spec.params(), None)
+    all_tps, all_gpus = [], []
+    for n, batch in space.iter_legal():
+        steps, mems = scorer.score(np.full(len(batch), n), batch)
+        fits = mems <= scorer.limit_bytes(n)
+        tokens = space.problem(n).job.tokens_per_step
+        all_tps.append(tokens / steps[fits])
+        all_gpus.append(np.full(int(fits.sum()), n))
+    tps, gpus = np.concatenate(all_tps), np.concatenate(all_gpus)
+    for f in front:
+        v_tps, v_gpus = f["values"]["tokens_per_s"], f["values"]["gpus"]
+        dominated = ((tps >= v_tps * (1 + 1e-5)) & (gpus <= v_gpus)) | ((tps >= v_tps * (1 - 1e-5)) & (gpus < v_gpus))
+        assert not dominated.any(), (f["plan"], f["values"])
+    # and the front covers the best throughput of every GPU count that improves on fewer GPUs
+    assert {int(f["values"]["gpus"]) for f in front} == {8, 16, 32}
+
+
+# ---------------------------------------------------------------------------------------------
+# auto, storage URLs
+# ---------------------------------------------------------------------------------------------
+
+def test_auto_picks_exhaustive_for_small_spaces_and_optuna_for_ranges():
+    small = osr.choose_strategy("auto", gpus=8, count_legal=lambda: 2775)
+    assert small.strategy == "exhaustive" and "2,775 legal plans" in small.reason
+    big = osr.choose_strategy("auto", gpus=8, count_legal=lambda: 10 ** 7)
+    assert big.strategy == "optuna"
+    rng = osr.choose_strategy("auto", gpus=parse_gpus("256-2048"))
+    assert rng.strategy == "optuna" and "range" in rng.reason
+    multi = osr.choose_strategy("auto", gpus=8, objectives=["tokens_per_s", "gpus"], count_legal=lambda: 10)
+    assert multi.strategy == "optuna"
+    with pytest.raises(SpecError):
+        osr.choose_strategy("exhaustive", gpus=parse_gpus("8-64"))
+
+
+@pytest.mark.parametrize("url,shown", [
+    ("postgresql://alice:s3cr%40t@db.example:5432/studies", "postgresql://alice:***@db.example:5432/studies"),
+    ("postgresql+psycopg2://bob:pw@host/db?sslmode=require", "postgresql+psycopg2://bob:***@host/db?sslmode=require"),
+    ("postgresql://host/db?user=u&password=hunter2", "postgresql://host/db?user=u&password=***"),
+    ("sqlite:///results/studies.db", "sqlite:///results/studies.db"),
+    (None, "memory"),
+])
+def test_redact_url(url, shown):
+    assert redact_url(url) == shown
+
+
+def test_scrub_removes_raw_and_quoted_passwords():
+    url = "postgresql://alice:s3cr%40t@db/x"
+    msg = scrub("FATAL: password authentication failed for s3cr@t (s3cr%40t) at postgresql://alice:s3cr%40t@db/x", url)
+    assert "s3cr" not in msg and "***" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI with --json
+# ---------------------------------------------------------------------------------------------
+
+def test_cli_search_optuna_json(tmp_path):
+    r = run_cli("search", *SMALL_CLI, "--strategy", "optuna", "--trials", "40", "--seed", "1", "--json",
+                "--out", tmp_path)
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    rep = json.loads(r.stdout)
+    for key in ("best", "top", "space", "elapsed_s", "explanation", "optuna", "strategy_choice"):
+        assert key in rep
+    o = rep["optuna"]
+    assert rep["strategy"] == "optuna" and o["sampler"] == "tpe" and o["seed"] == 1 and o["n_trials"] == 40
+    assert o["storage"] == "memory" and o["objectives"][0]["name"] == "tokens_per_s"
+    assert rep["best"]["fits"]
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md"]
+
+
+def test_cli_search_auto_says_which(tmp_path):
+    r = run_cli("search", *SMALL_CLI, "--json", "--no-save")
+    assert r.exit_code == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["strategy"] == "exhaustive"
+    assert rep["strategy_choice"]["requested"] == "auto" and rep["strategy_choice"]["chosen"] == "exhaustive"
+    r = run_cli("search", *SMALL_CLI, "--no-save")
+    assert r.exit_code == 0 and "Strategy: exhaustive (" in r.stdout
+
+
+def test_cli_pareto_front_and_plot(tmp_path):
+    r = run_cli("search", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8-32:pow2", "--global-batch", "16",
+                "--seq-len", "4096", "--objective", "tokens_per_s", "--objective", "gpus", "--sampler", "nsga2",
+                "--trials", "60", "--seed", "0", "--json", "--out", tmp_path)
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    rep = json.loads(r.stdout)
+    assert rep["strategy_choice"]["chosen"] == "optuna" and "range" in rep["strategy_choice"]["reason"]
+    front = rep["optuna"]["pareto_front"]
+    assert front and all(set(f["values"]) == {"tokens_per_s", "gpus"} for f in front)
+    plot = tmp_path / rep["optuna"]["pareto_plot"]
+    assert plot.suffix == ".svg" and plot.read_text().startswith("<svg")
+    md = next(tmp_path.glob("*.md")).read_text()
+    assert "Pareto" in md and rep["optuna"]["pareto_plot"] in md
+
+
+def test_cli_worker_and_studies_json(tmp_path):
+    url = f"sqlite:///{tmp_path}/w.db"
+    r = run_cli("search", *SMALL_CLI, "--strategy", "optuna", "--trials", "16", "--storage", url, "--study", "s1",
+                "--json", "--no-save")
+    assert r.exit_code == 0, r.stderr
+    r = run_cli("worker", "--storage", url, "--study", "s1", "--trials", "24", "--json")
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    w = json.loads(r.stdout)
+    assert w["run"]["trials"] == 24 and w["study_trials"]["complete"] == 40 and w["best"]["fits"]
+    r = run_cli("studies", "--storage", url, "--json")
+    assert r.exit_code == 0, r.stderr
+    lst = json.loads(r.stdout)
+    assert [s["name"] for s in lst["studies"]] == ["s1"] and lst["studies"][0]["trials"] == {"complete": 40}
+    r = run_cli("studies", "--storage", url, "--study", "s1", "--json")
+    show = json.loads(r.stdout)
+    assert show["n_trials"] == 40 and show["problem"]["model"] == "llama3-8b" and show["best"]
+    for ext in ("csv", "json"):
+        out = tmp_path / f"trials.{ext}"
+        r = run_cli("studies", "--storage", url, "--study", "s1", "--export", out, "--json")
+        assert r.exit_code == 0, r.stderr
+        assert json.loads(r.stdout)["trials"] == 40
+    assert len((tmp_path / "trials.csv").read_text().splitlines()) == 41
+    assert len(json.loads((tmp_path / "trials.json").read_text())["trials"]) == 40
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line, exit 2, the field named, no password echoed
+# ---------------------------------------------------------------------------------------------
+
+BAD = {
+    "unknown sampler": (["--strategy", "optuna", "--sampler", "annealing"], ("sampler", "annealing", "tpe")),
+    "unknown objective": (["--strategy", "optuna", "--objective", "speed"], ("objective", "speed", "tokens_per_s")),
+    "cmaes with two objectives": (["--sampler", "cmaes", "--objective", "tokens_per_s", "--objective", "gpus"],
+                                  ("sampler", "cmaes")),
+    "empty gpu range": (["--gpus", "300-303"], ("gpus", "300-303")),
+    "reversed gpu range": (["--gpus", "64-8"], ("gpus", "empty")),
+    "range with exhaustive": (["--gpus", "8-64", "--strategy", "exhaustive"], ("gpus", "optuna")),
+    "optuna option with exhaustive": (["--strategy", "exhaustive", "--trials", "5"], ("--trials",)),
+    "zero trials": (["--strategy", "optuna", "--trials", "0"], ("trials",)),
+    "batch size zero": (["--strategy", "optuna", "--batch-size", "0"], ("batch_size",)),
+    "unknown storage": (["--storage", "redis://x"], ("storage", "sqlite")),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_search_bad_optuna_input(case, tmp_path):
+    extra, needles = BAD[case]
+    base = [a for a in SMALL_CLI]
+    if "--gpus" in extra:
+        i = base.index("--gpus")
+        del base[i:i + 2]
+    r = run_cli("search", *base, *extra, "--out", tmp_path)
+    one_error_line(r, 2, *needles)
+    assert r.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_unreachable_storage_one_line_no_password(tmp_path):
+    url = "postgresql://autotune:TopSecret99@127.0.0.1:9/autotune"
+    r = run_cli("search", *SMALL_CLI, "--strategy", "optuna", "--trials", "5", "--storage", url, "--no-save")
+    line = one_error_line(r, 2, "storage", "postgresql://autotune:***@127.0.0.1:9/autotune")
+    assert "TopSecret99" not in r.stdout + r.stderr
+    r = run_cli("worker", "--storage", url, "--study", "x", "--trials", "5")
+    one_error_line(r, 2, "storage")
+    assert "TopSecret99" not in r.stdout + r.stderr
+    r = run_cli("studies", "--storage", url)
+    one_error_line(r, 2, "storage")
+    assert "TopSecret99" not in r.stdout + r.stderr + line
+
+
+def test_worker_needs_an_autotune_study(tmp_path):
+    url = f"sqlite:///{tmp_path}/x.db"
+    r = run_cli("worker", "--storage", url, "--study", "missing", "--trials", "5")
+    one_error_line(r, 2, "study", "missing")
+    optuna.create_study(storage=url, study_name="foreign")
+    r = run_cli("worker", "--storage", url, "--study", "foreign", "--trials", "5")
+    one_error_line(r, 2, "study", "autotune")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C: stop cleanly, keep every finished trial
+# ---------------------------------------------------------------------------------------------
+
+def _autotune(*args) -> list[str]:
+    return [sys.executable, "-c", "from cli.main import app; app()", *[str(a) for a in args]]
+
+
+def test_ctrl_c_keeps_finished_trials(tmp_path):
+    url = f"sqlite:///{tmp_path}/int.db"
+    optuna_search(StudySpec(**SMALL, seed=0), n_trials=8, storage_url=url, study_name="int")
+    proc = subprocess.Popen(_autotune("worker", "--storage", url, "--study", "int", "--trials", "100000",
+                                      "--json"), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    study = optuna.load_study(study_name="int", storage=url)
+    deadline = time.time() + 60
+    while len(study.get_trials(deepcopy=False)) < 40 and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    w = json.loads(out)
+    assert w["run"]["interrupted"] and w["run"]["trials"] >= 32
+    states = [t.state for t in optuna.load_study(study_name="int", storage=url).trials]
+    assert optuna.trial.TrialState.RUNNING not in states
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 8 + w["run"]["trials"]
