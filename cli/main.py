@@ -26,7 +26,7 @@ from typer.core import TyperGroup
 from typer.exceptions import Abort
 
 from autotune import __version__, api
-from autotune.report import TIME_LABELS, plan_text, problem_dict, save_report, search_report
+from autotune.report import TIME_LABELS, add_sensitivity, plan_text, problem_dict, save_report, search_report
 from autotune.scoring import enable_compile_cache
 from autotune.search import NothingFits
 from autotune.validate import load_runs, validate_rows
@@ -288,6 +288,9 @@ def search(
     storage: optuna_cmds.StorageOpt = None,
     study: optuna_cmds.StudyOpt = None,
     batch_size: optuna_cmds.BatchOpt = None,
+    with_sensitivity: Annotated[bool, typer.Option(
+        "--sensitivity/--no-sensitivity",
+        help="Add the best plan's elasticities (jax.jacfwd) to the report (first run in a fresh cache: ~8 s).")] = True,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     _check_memory_limit(memory_limit_gb)
@@ -305,10 +308,10 @@ def search(
             top=top, memory_limit_gb=memory_limit_gb, out=out, no_save=no_save, as_json=as_json,
             calibration=calibration, trials=trials, timeout=timeout, sampler=sampler, seed=seed,
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
-            requested=strategy)
+            requested=strategy, with_sensitivity=with_sensitivity)
     problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
                        inter_node_bw, cluster)
-    params, params_source = api.load_params(calibration)
+    params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
         with _Spinner("Scoring every legal plan...", enabled=not as_json):
             result = api.search(problem, strategy="exhaustive", top_k=top, memory_limit_gb=memory_limit_gb,
@@ -320,6 +323,9 @@ def search(
         return EXIT_NOTHING_FITS
     report = search_report(result, params_source)
     report["strategy_choice"] = {"requested": strategy, **choice.as_dict()}
+    if with_sensitivity:
+        with _Spinner("Differentiating the best plan...", enabled=not as_json):
+            add_sensitivity(report, problem, params, memory_limit_gb)
     saved = None
     if not no_save:
         try:
@@ -334,6 +340,11 @@ def search(
     con.print()
     con.print(Text(report["explanation"]))
     con.print()
+    if report.get("sensitivity"):
+        con.print(Text("What would help the best plan (elasticities through the cost model):"))
+        for sentence in report["sensitivity"]["sentences"][:5]:
+            con.print(Text(f"  - {sentence}"))
+        con.print()
     con.print(Text(_space_line(report["space"], report["elapsed_s"])))
     if strategy != "exhaustive":
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
@@ -363,7 +374,7 @@ def predict(
     problem = _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
                        inter_node_bw, cluster)
     the_plan = api.plan_from_text(plan, problem)
-    params, params_source = api.load_params(calibration)
+    params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     rep = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)
     code = EXIT_OK if rep["fits"] else EXIT_NOTHING_FITS
     if as_json:

@@ -21,7 +21,8 @@ from rich.table import Table
 from rich.text import Text
 
 from autotune import optuna_search as osr
-from autotune.report import report_basename, save_report, search_report
+from autotune import api
+from autotune.report import add_sensitivity, report_basename, save_report, search_report
 from autotune.search import NothingFits
 from autotune.studies import export_study, list_studies, redact_url, show_study
 from costmodels.specs import SpecError
@@ -207,7 +208,8 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       calibration: Optional[str], trials: Optional[int], timeout: Optional[float],
                       sampler: Optional[str], seed: Optional[int], objectives: Optional[list],
                       storage: Optional[str], study: Optional[str], batch_size: Optional[int],
-                      choice: osr.StrategyChoice | None = None, requested: str = "optuna") -> int:
+                      choice: osr.StrategyChoice | None = None, requested: str = "optuna",
+                      with_sensitivity: bool = True) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
     if isinstance(gpus, GpuRange) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
@@ -236,11 +238,14 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     points = info.pop("pareto_points", [])
     report = search_report(result, params_source)
     report["strategy_choice"] = {"requested": requested, **(choice or osr.StrategyChoice("optuna", "requested")).as_dict()}
+    if with_sensitivity and getattr(result, "problem", None) is not None:
+        params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
+        add_sensitivity(report, result.problem, params, memory_limit_gb)
     saved = None
     if not no_save:
         try:
             _write_plot(report, points, out)
-            report["sections"] = [{"title": "Optuna", "markdown": _markdown_section(report)}]
+            report.setdefault("sections", []).insert(0, {"title": "Optuna", "markdown": _markdown_section(report)})
             saved = save_report(report, out)
         except OSError as exc:
             raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
