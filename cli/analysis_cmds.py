@@ -25,16 +25,8 @@ from costmodels.specs import SpecError
 
 EXIT_OK, EXIT_NOTHING_FITS = 0, 3
 
-ModelOpt = Annotated[str, typer.Option("--model", help="Model preset name or path to a Hugging Face config.json.")]
-GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU preset (a100-80gb, h100, b200, ...).")]
-GpusOpt = Annotated[Optional[int], typer.Option("--gpus", help="Number of GPUs.")]
-GlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="Global batch in sequences.")]
-SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Sequence length in tokens.")]
-PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16, fp16, fp8 or fp4.")]
-GpusPerNodeOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", help="GPUs per NVLink domain.")]
-MemLimitOpt = Annotated[Optional[float], typer.Option("--memory-limit-gb", help="Usable memory per GPU in GB (default: the GPU's).")]
-CalibrationOpt = Annotated[Optional[str], typer.Option("--calibration", help="Calibration file fitted for this GPU (default: shipped defaults).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout and nothing else.")]
+from cli.options import ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, MemLimitOpt, CalibrationOpt, JsonOpt  # noqa: E402
+
 
 
 def _console() -> Console:

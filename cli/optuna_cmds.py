@@ -22,6 +22,7 @@ from rich.text import Text
 
 from autotune import optuna_search as osr
 from autotune import api
+from cli.options import JsonOpt
 from autotune.report import add_sensitivity, report_basename, save_report, search_report
 from autotune.search import NothingFits
 from autotune.studies import export_study, list_studies, redact_url, show_study
@@ -42,7 +43,6 @@ TrialsOpt = Annotated[Optional[int], typer.Option("--trials", help="Trials to ru
 TimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Stop after this many seconds.")]
 BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", help="Trials asked and scored together.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampler seed (same seed, same trials).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout and nothing else.")]
 
 
 def _print_json(obj) -> None:
