@@ -338,10 +338,6 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     return {k: jnp.broadcast_to(v, step.shape) for k, v in out.items()}
 
 
-def peak_flops_per_gpu(job: dict):
-    return job["peak_gemm"]
-
-
 #: the jitted scorer: one compiled function for every model, cluster and job of the same shapes
 evaluate_jit = jax.jit(evaluate)
 
