@@ -28,6 +28,7 @@ from costmodels.plan import PLAN_FIELDS, Plan
 from costmodels.specs import SpecError
 from search_spaces.space import Problem
 
+from .files import read_json
 from .calibrate import DEFAULT_FIT, FitCase, build_cases, calibrate, fit, mape_pct
 
 # ------------------------------------------------------------------------------------------------
@@ -210,13 +211,7 @@ def write_calibration(doc: dict, path: str) -> None:
 
 
 def read_calibration(path: str) -> tuple[EfficiencyParams, dict]:
-    try:
-        with open(path) as fh:
-            doc = json.load(fh)
-    except OSError as exc:
-        raise SpecError("calibration", f"cannot read {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise SpecError("calibration", f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    doc = read_json(path, "calibration")
     if not isinstance(doc, dict) or not isinstance(doc.get("params", {}), dict):
         raise SpecError("calibration", f"{path} must hold an object with a \"params\" object")
     try:

@@ -9,7 +9,7 @@ import numpy as np
 from costmodels.params import EfficiencyParams
 from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
 from costmodels.specs import SpecError
-from search_spaces.space import Problem, SpaceStats, binding_rules, enumerate_legal
+from search_spaces.space import Problem, binding_rules, enumerate_legal
 
 from .scoring import Inputs, plan_report, score_full, score_summary
 

@@ -8,7 +8,6 @@ that framework would have picked, and says which knobs it filled.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
 from costmodels.specs import JobSpec, ModelSpec, Precision, Recompute, SpecError
 from search_spaces.space import Problem
 
+from .files import read_json
 from .search import NothingFits, NoLegalPlan, exhaustive
 
 # Facts of model families, by name, for fields a source leaves out: whether the MLP is gated
@@ -261,13 +261,7 @@ def summarize(runs: list) -> dict:
 
 
 def load_runs(path: str) -> list:
-    try:
-        with open(path) as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise SpecError("FILE", f"cannot read {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise SpecError("FILE", f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    data = read_json(path, "FILE")
     if isinstance(data, dict) and "runs" in data:
         data = data["runs"]
     if not isinstance(data, list):

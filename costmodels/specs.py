@@ -7,7 +7,7 @@ whose message names the field, the value and the rule.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 
 class SpecError(ValueError):

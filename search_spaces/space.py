@@ -9,7 +9,6 @@ the sequence into 2*cp chunks for load-balanced causal attention.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
