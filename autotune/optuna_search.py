@@ -666,14 +666,17 @@ def best_trials(study: optuna.Study, objectives, k: int = 10) -> list:
     trials = _feasible(study.get_trials(deepcopy=False))
     sign = -1.0 if obj.direction == "maximize" else 1.0
     trials.sort(key=lambda t: (sign * float(metrics(t).get(obj.metric, math.nan)), t.number))
+    return _one_per_plan(trials)[:k]
+
+
+def _one_per_plan(trials: list) -> list:
+    """The first trial of each distinct plan, in the given order."""
     out, seen = [], set()
     for t in trials:
         key = _key(t)
         if key not in seen:
             seen.add(key)
             out.append(t)
-        if len(out) >= k:
-            break
     return out
 
 
@@ -681,13 +684,7 @@ def pareto_trials(study: optuna.Study) -> list:
     """Optuna's Pareto front (feasible trials only), one trial per distinct plan."""
     front = [t for t in study.best_trials if metrics(t).get("fits")]
     front.sort(key=lambda t: tuple(t.values))
-    out, seen = [], set()
-    for t in front:
-        key = _key(t)
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
+    return _one_per_plan(front)
 
 
 def _trial_entry(t) -> tuple[int, dict]:
