@@ -6,6 +6,7 @@ import json
 import os
 import re
 
+from costmodels.plan import OPTIONAL_FIELDS
 from costmodels.specs import spec_dict
 from search_spaces.space import Problem
 
@@ -26,14 +27,31 @@ def problem_dict(problem: Problem) -> dict:
 
 
 def plan_text(plan: dict) -> str:
+    """The --plan text of a plan (the Optuna-only knobs left out when 0, i.e. unused)."""
     sp = "true" if plan["sp"] else "false"
-    return ",".join(f"{k}={sp if k == 'sp' else v}" for k, v in plan.items())
+    return ",".join(f"{k}={sp if k == 'sp' else v}" for k, v in plan.items()
+                    if k not in OPTIONAL_FIELDS or v)
+
+
+def extras_text(plan: dict) -> str:
+    """The Optuna-only knobs in words ("" when unused): uneven end stages, block recompute."""
+    parts = []
+    if plan.get("first_layers") or plan.get("last_layers"):
+        parts.append(f"first/last stage {plan.get('first_layers') or 'even'}/{plan.get('last_layers') or 'even'} layers")
+    if plan.get("recompute_layers"):
+        parts.append(f"recompute {plan['recompute_layers']} layers/chunk")
+    return ", ".join(parts)
+
+
+def uses_extras(reports: list) -> bool:
+    return any(extras_text(r["plan"]) for r in reports)
 
 
 def _layout(plan: dict) -> str:
     keys = ("tp", "pp", "dp", "cp", "ep", "vpp", "mbs")
     s = " ".join(f"{k.upper()}{plan[k]}" for k in keys if plan[k] != 1 or k in ("tp", "pp", "dp"))
-    return f"{s} recompute={plan['recompute']} ZeRO-{plan['zero']}"
+    extra = extras_text(plan)
+    return f"{s} recompute={plan['recompute']} ZeRO-{plan['zero']}" + (f" ({extra})" if extra else "")
 
 
 def explain(best: dict, runner: dict | None, problem: Problem) -> str:
@@ -105,6 +123,7 @@ def report_basename(report: dict) -> str:
 
 def render_markdown(report: dict) -> str:
     p = report["problem"]
+    extras = uses_extras(report["top"])
     lines = [f"# autotune search: {p['model']['name']} on {p['cluster']['num_gpus']} x {p['gpu']['name']}",
              "", f"Created {report['created']} by autotune {report['version']} "
              f"(strategy {report['strategy']}, calibration {report['calibration']}).", "",
@@ -112,14 +131,15 @@ def render_markdown(report: dict) -> str:
              f"precision {p['job']['precision']}.", "", "## Why this plan", "", report["explanation"], "",
              "## Best plans", "",
              "| # | TP | PP | DP | CP | EP | VPP | MBS | recompute | SP | ZeRO | step (s) | tokens/s/GPU "
-             "| TFLOP/s/GPU | MFU | memory (GB) | fits |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| TFLOP/s/GPU | MFU | memory (GB) | fits |" + (" stages / block recompute |" if extras else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if extras else "")]
     for i, r in enumerate(report["top"], 1):
         pl = r["plan"]
         lines.append(f"| {i} | {pl['tp']} | {pl['pp']} | {pl['dp']} | {pl['cp']} | {pl['ep']} | {pl['vpp']} | "
                      f"{pl['mbs']} | {pl['recompute']} | {'on' if pl['sp'] else 'off'} | {pl['zero']} | "
                      f"{r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:.0f} | {r['model_tflops_per_gpu']:.0f} | "
-                     f"{r['mfu']:.1%} | {r['memory_gb']['total']:.1f} | {'yes' if r['fits'] else 'no'} |")
+                     f"{r['mfu']:.1%} | {r['memory_gb']['total']:.1f} | {'yes' if r['fits'] else 'no'} |"
+                     + (f" {extras_text(pl) or '-'} |" if extras else ""))
     best = report["best"]
     lines += ["", "## Time and memory of the best plan", "", "| time term | seconds | share |", "|---|---|---|"]
     for k, v in best["time_breakdown_s"].items():

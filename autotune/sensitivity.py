@@ -22,7 +22,7 @@ import numpy as np
 
 from costmodels import model as cm
 from costmodels.params import EfficiencyParams
-from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
+from costmodels.plan import OPTIONAL_FIELDS, PLAN_FIELDS, Plan, PlanBatch
 from costmodels.specs import Recompute, SpecError
 from search_spaces.space import KNOBS, Problem, check_plan
 
@@ -123,7 +123,9 @@ def _fmt_knob(knob: str, v) -> str:
 
 def neighbour_plans(plan: Plan, problem: Problem) -> list[tuple[str, Plan]]:
     """Legal plans that differ from `plan` in one knob moved to an adjacent value of its domain
-    (dp follows from the GPU count when tp, cp or pp moves)."""
+    (dp follows from the GPU count when tp, cp or pp moves). For the Optuna-only knobs, whose 0
+    means "even split" / "every layer", the adjacent values are the nearest legal ones with 0
+    ranked above all others (first_layers 0 -> one chunk fewer than the even split)."""
     out = []
     n = problem.cluster.num_gpus
     for knob in PLAN_FIELDS:
@@ -133,6 +135,10 @@ def neighbour_plans(plan: Plan, problem: Problem) -> list[tuple[str, Plan]]:
         cur = int(getattr(plan, knob))
         if cur not in dom:
             dom = sorted(set(dom) | {cur})
+        optional = knob in OPTIONAL_FIELDS
+        if optional:            # only legal values, 0 last: adjacency among what a user could pick
+            dom = sorted((v for v in dom if v == cur or _legal(plan, knob, v, problem)),
+                         key=lambda v: (v == 0, v))
         i = dom.index(cur)
         for j in (i - 1, i + 1):
             if not 0 <= j < len(dom):
@@ -151,6 +157,14 @@ def neighbour_plans(plan: Plan, problem: Problem) -> list[tuple[str, Plan]]:
                 continue
             out.append((knob, cand))
     return out
+
+
+def _legal(plan: Plan, knob: str, value: int, problem: Problem) -> bool:
+    try:
+        check_plan(Plan(**{**{f: getattr(plan, f) for f in PLAN_FIELDS}, knob: value}), problem)
+        return True
+    except (SpecError, ValueError):
+        return False
 
 
 def _neighbours(plan: Plan, base_step: float, inp: Inputs, params: EfficiencyParams) -> list[dict]:

@@ -26,7 +26,8 @@ from typer.core import TyperGroup
 from typer.exceptions import Abort
 
 from autotune import __version__, api
-from autotune.report import TIME_LABELS, add_sensitivity, plan_text, problem_dict, save_report, search_report
+from autotune.report import (TIME_LABELS, add_sensitivity, extras_text, plan_text, problem_dict, save_report,
+                             search_report, uses_extras)
 from autotune.scoring import enable_compile_cache
 from autotune.search import NothingFits
 from autotune.validate import load_runs, validate_rows
@@ -173,16 +174,17 @@ def _gb(x: float) -> str:
 
 def _plans_table(reports: list) -> Table:
     table = Table(title="Best plans", title_justify="left")
+    extras = uses_extras(reports)
     for col in ("#", "TP", "PP", "DP", "CP", "EP", "VPP", "MBS", "recompute", "SP", "ZeRO", "step (s)",
-                "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "mem GB", "fits"):
-        table.add_column(col, justify="left" if col in ("recompute", "SP", "fits") else "right")
+                "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "mem GB", "fits") + (("stages / block recompute",) if extras else ()):
+        table.add_column(col, justify="left" if col in ("recompute", "SP", "fits", "stages / block recompute") else "right")
     for i, r in enumerate(reports, 1):
         p = r["plan"]
         table.add_row(str(i), str(p["tp"]), str(p["pp"]), str(p["dp"]), str(p["cp"]), str(p["ep"]),
                       str(p["vpp"]), str(p["mbs"]), str(p["recompute"]), "on" if p["sp"] else "off",
                       str(p["zero"]), f"{r['step_time_s']:.3f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
                       f"{r['model_tflops_per_gpu']:.0f}", f"{r['mfu']:.1%}", _gb(r["memory_gb"]["total"]),
-                      "yes" if r["fits"] else "no")
+                      "yes" if r["fits"] else "no", *((extras_text(p) or "-",) if extras else ()))
     return table
 
 

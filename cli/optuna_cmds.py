@@ -23,7 +23,7 @@ from rich.text import Text
 from autotune import optuna_search as osr
 from autotune import api
 from cli.options import JsonOpt
-from autotune.report import add_sensitivity, report_basename, save_report, search_report
+from autotune.report import add_sensitivity, extras_text, report_basename, save_report, search_report, uses_extras
 from autotune.search import NothingFits
 from autotune.studies import export_study, list_studies, redact_url, show_study
 from costmodels.specs import SpecError
@@ -133,15 +133,17 @@ class _ProgressBar:
 
 def _plans_table(reports: list, title: str = "Best plans found") -> Table:
     table = Table(title=title, title_justify="left")
+    extras = uses_extras(reports)
     for col in ("#", "trial", "GPUs", "TP", "PP", "DP", "CP", "EP", "VPP", "MBS", "recompute", "SP", "ZeRO",
-                "step (s)", "tokens/s/GPU", "MFU", "mem GB"):
-        table.add_column(col, justify="left" if col in ("recompute", "SP") else "right")
+                "step (s)", "tokens/s/GPU", "MFU", "mem GB") + (("stages / block recompute",) if extras else ()):
+        table.add_column(col, justify="left" if col in ("recompute", "SP", "stages / block recompute") else "right")
     for i, r in enumerate(reports, 1):
         p = r["plan"]
         table.add_row(str(i), str(r.get("trial", "")), str(r.get("num_gpus", "")), str(p["tp"]), str(p["pp"]),
                       str(p["dp"]), str(p["cp"]), str(p["ep"]), str(p["vpp"]), str(p["mbs"]), str(p["recompute"]),
                       "on" if p["sp"] else "off", str(p["zero"]), f"{r['step_time_s']:.3f}",
-                      f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}", f"{r['memory_gb']['total']:.1f}")
+                      f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}", f"{r['memory_gb']['total']:.1f}",
+                      *((extras_text(p) or "-",) if extras else ()))
     return table
 
 
@@ -155,7 +157,8 @@ def _pareto_table(front: list, objectives: list) -> Table:
         vals = [_fmt(f["values"][o["name"]]) for o in objectives]
         table.add_row(str(i), str(f["trial"]), *vals,
                       f"tp{p['tp']} pp{p['pp']} dp{p['dp']} cp{p['cp']} ep{p['ep']} vpp{p['vpp']} mbs{p['mbs']} "
-                      f"{p['recompute']} sp={'on' if p['sp'] else 'off'} zero{p['zero']}")
+                      f"{p['recompute']} sp={'on' if p['sp'] else 'off'} zero{p['zero']}"
+                      + (f" ({extras_text(p)})" if extras_text(p) else ""))
     return table
 
 

@@ -8,7 +8,8 @@ different runs (validation, calibration).
 Symbols (per micro-batch, per GPU unless said otherwise)
   L layers, h hidden, a heads, g KV heads, f FFN hidden, V vocab, s sequence, b micro-batch,
   T = b*s/cp tokens on this context-parallel rank, E experts, k experts per token, f_e expert FFN,
-  m = B/(dp*b) micro-batches per step, v virtual stages per rank, n_stage layers on the busiest rank.
+  m = B/(dp*b) micro-batches per step, v virtual stages per rank, n_first/n_mid/n_last layers on
+  the first, a middle and the last pipeline stage (even split unless first/last_layers are set).
 
 Sources
   [N21] Narayanan et al. 2021, "Efficient Large-Scale LM Training on GPU Clusters" (SC'21):
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 
 from . import collectives as C
 from .params import EfficiencyParams
+from .plan import stage_layers
 
 GB = 1e9
 
@@ -171,50 +173,98 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     mla = (M["q_down_n"] + M["kv_down_n"] > 0).astype(jnp.float32)
     t_mla_up = mla * (gemm(T, M["q_up_n"] / tp, M["q_up_k"]) + gemm(T, M["kv_up_n"] / tp, M["kv_up_k"]))
     r_sel_common = t_attn_core + 0.5 * t_elem_attn + t_mla_up
-    r_dense = rec_full * c_f_dense + rec_sel * (r_sel_common + t_elem_dense)
-    r_moe = rec_full * c_f_moe + rec_sel * (r_sel_common + t_elem_moe)
-    tp_layer_dense = 2.0 * t_tp_dense + rec_full * t_tp_dense
-    tp_layer_moe = 2.0 * t_tp_moe + rec_full * t_tp_moe
-    cp_layer = t_cp_f + t_cp_b + rec_full * t_cp_f
-    ep_layer = 2.0 * t_ep_f + rec_full * t_ep_f
 
     frac_moe = M["moe_layers"] / M["layers"]
     frac_dense = 1.0 - frac_moe
-    n_chunk = jnp.ceil(M["layers"] / (pp * v))                   # layers per virtual stage (busiest)
-    n_stage = n_chunk * v
-    c_stage = n_stage * (frac_dense * (c_f_dense + c_b_dense) + frac_moe * (c_f_moe + c_b_moe))
-    r_stage = n_stage * (frac_dense * r_dense + frac_moe * r_moe)
-    tp_stage = n_stage * (frac_dense * tp_layer_dense + frac_moe * tp_layer_moe)
-    cp_stage = n_stage * cp_layer
-    ep_stage = n_stage * frac_moe * ep_layer
-    t_stage = c_stage + r_stage + tp_stage + cp_stage + ep_stage
+    # per layer and micro-batch, averaged over dense and MoE layers: forward + backward compute,
+    # communication, selective recompute, and what full recompute replays (compute + its comm)
+    fb_layer = frac_dense * (c_f_dense + c_b_dense) + frac_moe * (c_f_moe + c_b_moe)
+    comm_layer = {"tp": frac_dense * 2.0 * t_tp_dense + frac_moe * 2.0 * t_tp_moe,
+                  "cp": t_cp_f + t_cp_b, "ep": frac_moe * 2.0 * t_ep_f}
+    sel_layer = rec_sel * (r_sel_common + frac_dense * t_elem_dense + frac_moe * t_elem_moe)
+    full_layer = frac_dense * c_f_dense + frac_moe * c_f_moe
+    full_comm = {"tp": frac_dense * t_tp_dense + frac_moe * t_tp_moe, "cp": t_cp_f, "ep": frac_moe * t_ep_f}
+
+    # ---------------- pipeline stages: first, middle, last [Megatron-Core uneven split] ----------
+    n_first, n_mid, n_last = stage_layers(M["layers"], pp, v, P["first_layers"], P["last_layers"], jnp)
+    pp1 = (pp == 1).astype(jnp.float32)
+    has_mid = (pp > 2).astype(jnp.float32)
+    # block recompute: recompute_layers of each virtual chunk (0 = all of them) [Megatron
+    # --recompute-method block]
+    R = P["recompute_layers"]
+
+    def recomputed(n):
+        return rec_full * jnp.where(R > 0, jnp.minimum(R, n / v) * v, n)
 
     # logits + loss on the last stage (fp32 softmax cross-entropy), embedding on the first
     t_logits_f = gemm(T, V / tp, h)
     t_loss = T * V / tp * 16.0 / bw_hbm                           # 4 fp32 passes over the logits
     t_embed = T * h * 6.0 / bw_hbm                                # lookup + fp32 scatter-add of grads
     t_head_tp = 2.0 * t_tp_pair
-    t_head = 3.0 * t_logits_f + t_loss + t_embed + t_head_tp
+    t_head_compute = 3.0 * t_logits_f + t_loss
 
-    # ---------------- pipeline [N21 sec 2.2] ----------------
+    def stage(n, embed, head):
+        """Per micro-batch time terms of a stage with n layers (embed/head: 0/1 flags)."""
+        nr = recomputed(n)
+        return {"compute": n * fb_layer + embed * t_embed + head * t_head_compute,
+                "ends": embed * t_embed + head * (t_head_compute + t_head_tp),
+                "recompute": n * sel_layer + nr * full_layer,
+                "tp": n * comm_layer["tp"] + nr * full_comm["tp"] + head * t_head_tp,
+                "cp": n * comm_layer["cp"] + nr * full_comm["cp"],
+                "ep": n * comm_layer["ep"] + nr * full_comm["ep"]}
+
+    st_first = stage(n_first, 1.0, pp1)
+    st_mid = stage(n_mid, 0.0, 0.0)
+    st_last = stage(n_last, pp1, 1.0)
+    t_first, t_mid, t_last = (sum(v for k, v in x.items() if k != "ends") for x in (st_first, st_mid, st_last))
+    t_mid_eff = has_mid * t_mid
+    # the slowest stage sets the 1F1B steady state; the others' work fills and drains the pipe:
+    # (m - 1) * t_max + sum_i t_i, i.e. the bubble (p-1)/v * t for equal stages [N21 sec 2.2]
+    is_first = (t_first >= t_last) & (t_first >= t_mid_eff)
+    is_last = ~is_first & (t_last >= t_mid_eff)
+
+    def at_slowest(x_first, x_mid, x_last):
+        return jnp.where(is_first, x_first, jnp.where(is_last, x_last, x_mid))
+
+    t_max = at_slowest(t_first, t_mid, t_last)
+    t_sum = jnp.where(pp > 1, t_first + t_last + jnp.maximum(pp - 2.0, 0.0) * t_mid, t_first)
+    bubble = (t_sum - t_max) / v                                 # also m < pp (more slots than m)
+
+    # ---------------- pipeline p2p [N21 sec 2.2, 4.1] ----------------
     pp_gt1 = (pp > 1).astype(jnp.float32)
-    bubble = pp_gt1 * (pp - 1.0) / v * t_stage                   # (m + pp - 1) slots for 1F1B, also m < pp
     p2p_bytes = T * h * 2.0 / tp                                  # scatter/gather optimization [N21 4.1]
     t_p2p = C.p2p_s(p2p_bytes, tp * cp * dp, pp, H, link_eff)
     n_p2p = 2.0 * v * m + 2.0 * (pp - 1.0)
-    chunk_fb = t_stage / v
+    chunk_fb = t_max / v
     pp_comm = n_p2p * t_p2p * (1.0 - e.pp_overlap) \
         + 2.0 * v * m * jnp.maximum(t_p2p - chunk_fb, 0.0) * e.pp_overlap
     pp_comm = pp_comm * pp_gt1
 
-    # ---------------- parameters on the busiest rank ----------------
-    # first stage holds the input embedding, last the output layer; one rank holds both when pp=1
-    # (unless they are tied)
-    emb_params = V * h / tp * (1.0 + (pp == 1).astype(jnp.float32) * (1.0 - M["tied"]))
+    # ---------------- parameters per stage ----------------
+    # first stage holds the input embedding, last the output layer (a copy when tied); one rank
+    # holds both when pp=1 (unless they are tied)
+    emb_params = V * h / tp
     dense_layer_params = M["attn_params"] + frac_dense * M["dense_mlp_params"] \
         + frac_moe * (M["shared_ffn"] * h * (2.0 + g_mlp) + M["router_params"])
-    p_dense = n_stage * dense_layer_params / tp + emb_params
-    p_expert = n_stage * frac_moe * M["experts"] * M["expert_params"] / (ep * etp)
+    emb_end = emb_params * (1.0 + pp1 * (1.0 - M["tied"]))
+
+    def params_of(n, ends):
+        return (n * dense_layer_params / tp + ends * emb_end,
+                n * frac_moe * M["experts"] * M["expert_params"] / (ep * etp))
+
+    pd_first, pe_first = params_of(n_first, 1.0)
+    pd_mid, pe_mid = params_of(n_mid, 0.0)
+    pd_last, pe_last = params_of(n_last, 1.0)
+    # data-parallel traffic and the optimizer step of the stage with the most parameters
+    big_first = (pd_first + pe_first >= pd_last + pe_last) & (pd_first + pe_first >= has_mid * (pd_mid + pe_mid))
+    big_last = ~big_first & (pd_last + pe_last >= has_mid * (pd_mid + pe_mid))
+
+    def at_biggest(x_first, x_mid, x_last):
+        return jnp.where(big_first, x_first, jnp.where(big_last, x_last, x_mid))
+
+    p_dense = at_biggest(pd_first, pd_mid, pd_last)
+    p_expert = at_biggest(pe_first, pe_mid, pe_last)
+    n_big = at_biggest(n_first, n_mid, n_last)
     n_dp_dense = dp * cp                                          # grads reduce over DP x CP
     n_dp_exp = tp * cp * dp / (ep * etp)                          # expert data parallel (folding)
     gbytes = e.grad_bytes_per_param
@@ -231,8 +281,8 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
         + moe_on * C.reduce_scatter_s(gbytes * p_expert, n_dp_exp, ep * etp, H, link_eff, lat)
     ag = C.all_gather_s(2.0 * p_dense, n_dp_dense, tp, H, link_eff, lat) \
         + moe_on * C.all_gather_s(2.0 * p_expert, n_dp_exp, ep * etp, H, link_eff, lat)
-    win_b = n_stage * (frac_dense * c_b_dense + frac_moe * c_b_moe)   # last micro-batch backward
-    win_f = n_stage * (frac_dense * c_f_dense + frac_moe * c_f_moe)   # first micro-batch forward
+    win_b = n_big * (frac_dense * c_b_dense + frac_moe * c_b_moe)   # last micro-batch backward
+    win_f = n_big * (frac_dense * c_f_dense + frac_moe * c_f_moe)   # first micro-batch forward
 
     def exposed(t, window):
         return t - jnp.minimum(e.dp_overlap * t, window)
@@ -246,7 +296,10 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     t_z3 = m * (2.0 * ag + rs) / e.zero3_bw_eff
     # (the window is the whole stage time: compute already hides TP/CP traffic, and counting it
     # twice would make a faster GPU slower)
-    dp_z3 = jnp.maximum(t_z3 - m * t_stage, 2.0 * t_z3 / (m * n_stage))
+    # (only the layers' work: the embedding and output layer come before the first gather and
+    # after the last reduce-scatter)
+    t_layers = at_slowest(t_first - st_first["ends"], t_mid, t_last - st_last["ends"])
+    dp_z3 = jnp.maximum(t_z3 - m * t_layers, 2.0 * t_z3 / (m * n_big))
     dp_comm = z0 * dp_z0 + z12 * dp_z12 + z3 * dp_z3
 
     # ---------------- optimizer (memory bound Adam step) ----------------
@@ -255,9 +308,8 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     t_opt = p_opt * e.optimizer_bytes_per_param / bw_hbm
 
     # ---------------- step time ----------------
-    t_mb = t_stage + t_head
     overhead = e.step_overhead_s + m * e.microbatch_overhead_s
-    step = m * t_mb + bubble + pp_comm + dp_comm + t_opt + overhead
+    step = m * t_max + bubble + pp_comm + dp_comm + t_opt + overhead
 
     # ---------------- FLOPs (model = useful, hardware = with recompute) [N21 eq. 3 generalized] ---
     fwd_attn_lin = 2.0 * M["attn_params"]
@@ -269,10 +321,14 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     fwd_token = L * (frac_dense * fwd_dense + frac_moe * fwd_moe) + 2.0 * h * V
     tokens = J["global_batch"] * s
     model_flops = 3.0 * fwd_token * tokens
-    rec_token = L * (rec_full * (frac_dense * fwd_dense + frac_moe * fwd_moe) + rec_sel * fwd_core)
+    n_mid_all = jnp.maximum(pp - 2.0, 0.0) * n_mid
+    rf_share = jnp.where(pp > 1, (recomputed(n_first) + jnp.maximum(pp - 2.0, 0.0) * recomputed(n_mid)
+                                  + recomputed(n_last)) / (n_first + n_mid_all + n_last),
+                         recomputed(n_first) / n_first)               # share of layers replayed (full)
+    rec_token = L * (rf_share * (frac_dense * fwd_dense + frac_moe * fwd_moe) + rec_sel * fwd_core)
     hw_flops = model_flops + rec_token * tokens
 
-    # ---------------- memory on the first and last pipeline ranks ----------------
+    # ---------------- memory on the first, second and last pipeline ranks ----------------
     wbytes = 2.0 + J["low_precision"] * e.low_precision_weight_bytes
     shard_w = jnp.where(zero >= 3, 1.0, 0.0)
     shard_g = jnp.where(zero >= 2, 1.0, 0.0)
@@ -282,9 +338,6 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
 
     # ZeRO-3 gathers one weight matrix at a time and prefetches the next: two of the largest live
     largest_matrix = jnp.maximum(jnp.maximum(f, M["q_up_n"]) * h, M["expert_ffn"] * h * (1.0 + g_mlp)) / tp
-    weights_mem = wbytes * shard(p_dense, p_expert, shard_w) + z3 * 2.0 * 2.0 * largest_matrix
-    grads_mem = gbytes * shard(p_dense, p_expert, shard_g)
-    opt_mem = 12.0 * shard(p_dense, p_expert, shard_opt)         # fp32 master + Adam m, v [Z20]
 
     # activations per layer per micro-batch [K22 table 2], 2 bytes/element, flash attention
     repl = 4.0 * h + M["attn_act_repl"]                           # norm inputs + GEMM inputs
@@ -301,31 +354,49 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
         + (frac_dense * f + frac_moe * M["top_k"] * fe * e.moe_imbalance) / tp)   # activation outputs
     act_none = act_none + act_scores
     act_full = 2.0 * T * h / jnp.where(sp > 0, tp, 1.0)
-    act_layer = rec_full * act_full + rec_sel * act_sel + (1.0 - rec_full - rec_sel) * act_none
     working = rec_full * act_none                                 # one layer re-materialized in backward
-    inflight_first = jnp.where(v > 1, pp + (pp - 1.0) / v, jnp.minimum(m, pp))
-    inflight_last = jnp.where(v > 1, 1.0 + (pp - 1.0) / v, 1.0)
     logits_mem = T * V / tp * e.logits_bytes_per_elem
-    act_first = n_stage * act_layer * inflight_first + working + jnp.where(pp > 1, 0.0, logits_mem)
-    act_last = n_stage * act_layer * inflight_last + working + logits_mem
     tp_buf = jnp.where(tp > 1, 2.0 * T * h * 2.0, 0.0)           # gathered SP / TP comm buffers
-    static = weights_mem + grads_mem + opt_mem
-    last_heavier = act_last > act_first
-    activations = jnp.where(last_heavier, act_last, act_first)
-    dynamic = static + activations + tp_buf
-    total = dynamic * e.mem_fragmentation + e.mem_fixed_bytes
-    other = total - static - activations
+
+    def rank_memory(n, pd, pe, rank, logits):
+        """Memory of pipeline rank `rank` holding n layers and pd/pe dense/expert parameters."""
+        nr = recomputed(n)
+        act_stage = nr * act_full + (n - nr) * (rec_sel * act_sel + (1.0 - rec_sel) * act_none)
+        # micro-batches in flight: 1F1B warm-up pp - rank - 1; interleaved, in chunks of 1/v stage:
+        # 2*(pp - rank - 1) + (v - 1)*pp warm-up forwards (Megatron-Core schedules) [K22 4.2.3]
+        inflight = jnp.where(v > 1, (2.0 * (pp - rank - 1.0) + (v - 1.0) * pp + 1.0) / v,
+                             jnp.minimum(m, pp - rank))
+        parts = {"weights": wbytes * shard(pd, pe, shard_w) + z3 * 2.0 * 2.0 * largest_matrix,
+                 "gradients": gbytes * shard(pd, pe, shard_g),
+                 "optimizer": 12.0 * shard(pd, pe, shard_opt),       # fp32 master + Adam m, v [Z20]
+                 "activations": act_stage * inflight + working + logits * logits_mem}
+        dynamic = sum(parts.values()) + tp_buf
+        parts["total"] = dynamic * e.mem_fragmentation + e.mem_fixed_bytes
+        return parts
+
+    mem_first = rank_memory(n_first, pd_first, pe_first, 0.0, pp1)
+    mem_mid = rank_memory(n_mid, pd_mid, pe_mid, 1.0, 0.0)
+    mem_last = rank_memory(n_last, pd_last, pe_last, pp - 1.0, 1.0)
+    mid_total = jnp.where(has_mid > 0, mem_mid["total"], 0.0)
+    peak_first = (mem_first["total"] >= mem_last["total"]) & (mem_first["total"] >= mid_total)
+    peak_last = ~peak_first & (mem_last["total"] >= mid_total)
+    mem = {k: jnp.where(peak_first, mem_first[k], jnp.where(peak_last, mem_last[k], mem_mid[k]))
+           for k in mem_first}
+    total = mem["total"]
+    weights_mem, grads_mem, opt_mem, activations = (mem[k] for k in ("weights", "gradients", "optimizer",
+                                                                      "activations"))
+    other = total - weights_mem - grads_mem - opt_mem - activations
 
     out = {
         "step_time_s": step,
         "tokens_per_s": tokens / step,
         "model_flops": model_flops, "hw_flops": hw_flops,
         "num_gpus": n_gpus, "micro_batches": m,
-        "t_compute_s": m * (c_stage + t_head - t_head_tp),
-        "t_recompute_s": m * r_stage,
-        "t_tp_comm_s": m * (tp_stage + t_head_tp),
-        "t_cp_comm_s": m * cp_stage,
-        "t_ep_comm_s": m * ep_stage,
+        "t_compute_s": m * at_slowest(st_first["compute"], st_mid["compute"], st_last["compute"]),
+        "t_recompute_s": m * at_slowest(st_first["recompute"], st_mid["recompute"], st_last["recompute"]),
+        "t_tp_comm_s": m * at_slowest(st_first["tp"], st_mid["tp"], st_last["tp"]),
+        "t_cp_comm_s": m * at_slowest(st_first["cp"], st_mid["cp"], st_last["cp"]),
+        "t_ep_comm_s": m * at_slowest(st_first["ep"], st_mid["ep"], st_last["ep"]),
         "t_pp_comm_s": pp_comm,
         "t_dp_comm_s": dp_comm,
         "t_bubble_s": bubble,

@@ -3,6 +3,12 @@
 Knob symbols: tp tensor, pp pipeline, dp data, cp context, ep expert, etp expert-tensor parallel,
 vpp virtual pipeline stages per rank, mbs micro-batch size (sequences), recompute policy,
 sp sequence parallelism, zero ZeRO stage (1 = Megatron's distributed optimizer).
+
+Three knobs that only the Optuna search samples (exhaustive enumeration keeps them at 0):
+first_layers / last_layers, the layers on the first / last pipeline stage (0 = the even split;
+Megatron-Core --decoder-first/last-pipeline-num-layers), and recompute_layers, the layers per
+virtual-pipeline chunk that full recomputation replays (0 = all; Megatron --recompute-method block
+--recompute-num-layers).
 """
 from __future__ import annotations
 
@@ -13,7 +19,11 @@ import numpy as np
 from .specs import Recompute, SpecError
 
 #: The plan fields in the order they are stored in a PlanBatch and shown in reports.
-PLAN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "mbs", "recompute", "sp", "zero")
+PLAN_FIELDS = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "mbs", "recompute", "sp", "zero",
+               "first_layers", "last_layers", "recompute_layers")
+#: fields whose default 0 means "not used" (even pipeline split, recompute every layer); plan
+#: texts leave them out when 0
+OPTIONAL_FIELDS = ("first_layers", "last_layers", "recompute_layers")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,12 +39,19 @@ class Plan:
     recompute: Recompute = Recompute.NONE
     sp: bool = False
     zero: int = 0
+    first_layers: int = 0
+    last_layers: int = 0
+    recompute_layers: int = 0
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "mbs"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SpecError(f"plan.{f}", f"must be a positive integer, got {v!r}")
+        for f in OPTIONAL_FIELDS:
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise SpecError(f"plan.{f}", f"must be a non-negative integer (0 = not used), got {v!r}")
         if self.zero not in (0, 1, 2, 3):
             raise SpecError("plan.zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
 
@@ -58,7 +75,26 @@ class Plan:
 def format_plan(p: Plan) -> str:
     d = p.as_dict()
     d["sp"] = "true" if p.sp else "false"
-    return ",".join(f"{k}={d[k]}" for k in PLAN_FIELDS)
+    return ",".join(f"{k}={d[k]}" for k in PLAN_FIELDS if k not in OPTIONAL_FIELDS or d[k])
+
+
+def stage_layers(layers, pp, vpp, first_layers, last_layers, xp=np):
+    """Transformer layers on the first, a middle and the last pipeline stage (numpy or jax.numpy).
+
+    Megatron-Core: the first/last stage hold `first_layers`/`last_layers` when given (> 0); the other
+    stages share the rest evenly. A stage's layers split into `vpp` virtual chunks; when they do not
+    divide evenly the busiest chunk has ceil(rest / (stages * vpp)) layers, and that is what a middle
+    stage is charged for. pp = 1: one stage holds every layer.
+    """
+    f_on = (first_layers > 0) * 1.0
+    l_on = (last_layers > 0) * 1.0
+    others = pp - f_on - l_on
+    rest = layers - first_layers * f_on - last_layers * l_on
+    n_mid = xp.ceil(rest / xp.maximum(others * vpp, 1.0)) * vpp
+    n_mid = xp.where(others > 0, n_mid, 0.0)
+    n_first = xp.where(f_on > 0, first_layers * 1.0, n_mid)
+    n_last = xp.where(l_on > 0, last_layers * 1.0, n_mid)
+    return n_first, n_mid, n_last
 
 
 _BOOL = {"true": True, "1": True, "yes": True, "on": True,

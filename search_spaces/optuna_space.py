@@ -39,12 +39,18 @@ from optuna.trial import FrozenTrial
 from costmodels.plan import PLAN_FIELDS, PlanBatch
 from costmodels.specs import SpecError
 
-from .space import KNOBS, Problem, SpaceStats, domains, enumerate_legal
+from .space import KNOBS, OPTUNA_ONLY_KNOBS, RULES, Problem, SpaceStats, check_rows, domains, enumerate_legal
 
 #: The parameter name of the GPU count when it is a knob.
 GPUS = "gpus"
 #: The sampled plan knobs, in sampling order (dp is derived: gpus / (tp*cp*pp)).
 SAMPLED = tuple(k for k in KNOBS if k != "dp")
+#: the knobs held in the table of legal plans; the Optuna-only knobs come after them and their
+#: legal values are found by the rules, given the rest of the plan
+TABLE_KNOBS = tuple(k for k in SAMPLED if k not in OPTUNA_ONLY_KNOBS)
+assert SAMPLED[:len(TABLE_KNOBS)] == TABLE_KNOBS
+#: How far (in layers) a local move takes an Optuna-only knob (besides back to 0)
+EXTRA_STEPS = 2
 #: How many per-count tables of legal plans stay in memory (a GPU range may visit many counts).
 TABLE_CACHE = 32
 
@@ -121,7 +127,8 @@ def parse_gpus(text, field_name: str = "gpus") -> int | GpuRange:
 # ------------------------------------------------------------------------------------------------
 
 class _Table:
-    """The legal plans of one problem as int16 rows in SAMPLED order, sorted lexicographically.
+    """The legal plans of one problem as int16 rows in TABLE_KNOBS order, sorted lexicographically
+    (the Optuna-only knobs at their enumeration value: 0, or the value the user fixed).
 
     With the first j knobs fixed, the rows form one contiguous slice and column j inside it is
     sorted, so the legal values of the next knob are the distinct values of that slice.
@@ -129,8 +136,8 @@ class _Table:
 
     def __init__(self, problem: Problem, fixed: dict | None):
         stream, stats = enumerate_legal(problem, fixed)
-        parts = [np.stack([np.asarray(b[k], dtype=np.int16) for k in SAMPLED], axis=1) for b in stream]
-        rows = np.concatenate(parts) if parts else np.empty((0, len(SAMPLED)), dtype=np.int16)
+        parts = [np.stack([np.asarray(b[k], dtype=np.int16) for k in TABLE_KNOBS], axis=1) for b in stream]
+        rows = np.concatenate(parts) if parts else np.empty((0, len(TABLE_KNOBS)), dtype=np.int16)
         order = np.lexsort(rows.T[::-1]) if len(rows) else np.empty(0, dtype=np.int64)
         self.rows = rows[order]
         self.stats: SpaceStats = stats
@@ -162,8 +169,9 @@ class _Table:
             return col
         return col[np.concatenate(([True], col[1:] != col[:-1]))]
 
-    def batch(self, gpus: int) -> PlanBatch:
-        arrays = {k: self.rows[:, i].astype(np.int32) for i, k in enumerate(SAMPLED)}
+    def batch(self, gpus: int, extras: dict) -> PlanBatch:
+        arrays = {k: self.rows[:, i].astype(np.int32) for i, k in enumerate(TABLE_KNOBS)}
+        arrays.update({k: np.full(len(self.rows), int(v), dtype=np.int32) for k, v in extras.items()})
         arrays["dp"] = (gpus // (arrays["tp"] * arrays["cp"] * arrays["pp"])).astype(np.int32)
         return PlanBatch({f: arrays[f] for f in PLAN_FIELDS})
 
@@ -203,6 +211,7 @@ class PlanSpace:
     _nonempty: dict = field(init=False, default_factory=dict)
     _neighbors: dict = field(init=False, default_factory=dict)
     _domain_cache: dict = field(init=False, default_factory=dict)
+    _extra_cache: OrderedDict = field(init=False, default_factory=OrderedDict)
 
     def __post_init__(self):
         self.counts = tuple(sorted(set(int(c) for c in self.counts)))
@@ -210,7 +219,7 @@ class PlanSpace:
             raise SpecError("gpus", "no GPU count to search")
         values: dict = {k: set() for k in SAMPLED}
         for n in self.counts:
-            for k, dom in domains(self.problem(n), self.fixed).items():
+            for k, dom in domains(self.problem(n), self.fixed, optuna_only=True).items():
                 values[k].update(dom)
         self.distributions = {}
         self.constants = {}
@@ -260,7 +269,11 @@ class PlanSpace:
 
     def legal_plans(self, n: int) -> PlanBatch:
         """Every legal plan for n GPUs (the same set as `enumerate_legal`), sorted."""
-        return self.table(n).batch(n)
+        return self.table(n).batch(n, self.enumerated_extras())
+
+    def enumerated_extras(self) -> dict:
+        """The Optuna-only knobs as enumeration holds them: fixed by the user, else 0."""
+        return {k: int(self.fixed.get(k, 0)) for k in OPTUNA_ONLY_KNOBS}
 
     def known_stats(self) -> dict:
         """Space statistics summed over the GPU counts whose plans were enumerated so far."""
@@ -309,7 +322,33 @@ class PlanSpace:
             missing = [k for k in (((GPUS,) if self.is_range else ()) + SAMPLED[:j])
                        if k not in params and k not in self.constants]
             raise IllegalParams(f"{name} is sampled after {', '.join(missing)}")
+        if name in OPTUNA_ONLY_KNOBS:
+            return self._extra_values(n, name, prefix[:j])
         return self.table(n).values(prefix[:j]).astype(np.int64)
+
+    def _extra_values(self, n: int, name: str, prefix: tuple) -> np.ndarray:
+        """Legal values of an Optuna-only knob after a whole table plan and the extras before it:
+        every rule checked on the candidates (later extras at 0, which is always legal)."""
+        key = (n, name, prefix)
+        hit = self._extra_cache.get(key)
+        if hit is not None:
+            return hit
+        k = len(TABLE_KNOBS)
+        lo, hi = self.table(n).slice_of(prefix[:k])
+        if hi <= lo:
+            out = np.empty(0, dtype=np.int64)
+        else:
+            dom = np.asarray(self._domain_values(name), dtype=np.int64)
+            arrays = {kn: np.full(len(dom), int(v), dtype=np.int64) for kn, v in zip(SAMPLED, prefix)}
+            arrays.update({kn: np.zeros(len(dom), dtype=np.int64) for kn in SAMPLED[len(prefix):]})
+            arrays[name] = dom
+            arrays["dp"] = n // (arrays["tp"] * arrays["cp"] * arrays["pp"])
+            legal, _ = check_rows(arrays, self.problem(n), RULES)
+            out = dom[legal]
+        self._extra_cache[key] = out
+        while len(self._extra_cache) > 65536:
+            self._extra_cache.popitem(last=False)
+        return out
 
     def project(self, name: str, value, params: dict) -> int:
         """The legal value of `name` nearest to `value`, given the knobs before it."""
@@ -353,14 +392,14 @@ class PlanSpace:
 
     def plan_from_params(self, params: dict) -> tuple[int, dict]:
         n = int(params[GPUS]) if self.is_range else self.counts[0]
-        plan = {k: int(params[k]) if k in params else int(self.constants[k]) for k in SAMPLED}
+        plan = {k: int(params[k]) if k in params else int(self.constants.get(k, 0)) for k in SAMPLED}
         plan["dp"] = n // (plan["tp"] * plan["cp"] * plan["pp"])
         return n, {f: plan[f] for f in PLAN_FIELDS}
 
     def params_of(self, n: int, plan: dict) -> dict:
         """Trial parameters of a plan (the inverse of `plan_from_params`)."""
         out = {GPUS: int(n)} if self.is_range else {}
-        out.update({k: int(plan[k]) for k in SAMPLED if k in self.distributions})
+        out.update({k: int(plan.get(k, 0)) for k in SAMPLED if k in self.distributions})
         return out
 
     def is_legal(self, params: dict) -> bool:
@@ -368,8 +407,11 @@ class PlanSpace:
         n, prefix = self._split(params)
         if n is None or n not in self.counts or len(prefix) < len(SAMPLED) or not self.has_legal(n):
             return False
-        lo, hi = self.table(n).slice_of(prefix)
-        return hi > lo
+        lo, hi = self.table(n).slice_of(prefix[:len(TABLE_KNOBS)])
+        if hi <= lo:
+            return False
+        return all(prefix[j] in set(self._extra_values(n, name, prefix[:j]).tolist())
+                   for j, name in enumerate(SAMPLED) if name in OPTUNA_ONLY_KNOBS)
 
     def neighbors(self, params: dict) -> list[tuple[int, dict]]:
         """Legal plans reached by moving one or two knobs of `params`, with the move's distance.
@@ -402,13 +444,28 @@ class PlanSpace:
             if ck not in best or d < best[ck][0]:
                 best[ck] = (d, cand)
 
-        for a, ka in enumerate(names):
+        # the Optuna-only knobs (domains of ~L/2 layer counts, 0 = even split / every layer) move
+        # alone: from 0 to the largest legal values (one chunk below the even split first), else
+        # back to 0 or up to EXTRA_STEPS values either way; the table knobs move alone or in pairs
+        for ka in names:
+            if ka not in OPTUNA_ONLY_KNOBS:
+                continue
+            top = len(dom[ka]) - 1
+            for ia, va in enumerate(dom[ka]):
+                if ia == pos[ka]:
+                    continue
+                if base[ka] == 0:
+                    consider({ka: int(va)}, 1 + (top - ia) / 10.0)
+                elif va == 0 or abs(ia - pos[ka]) <= EXTRA_STEPS:
+                    consider({ka: int(va)}, 1 if va == 0 else abs(ia - pos[ka]))
+        table_names = [k for k in names if k not in OPTUNA_ONLY_KNOBS]
+        for a, ka in enumerate(table_names):
             for ia, va in enumerate(dom[ka]):
                 if ia == pos[ka]:
                     continue
                 da = abs(ia - pos[ka])
                 consider({ka: int(va)}, da)
-                for kb in names[a + 1:]:
+                for kb in table_names[a + 1:]:
                     for ib, vb in enumerate(dom[kb]):
                         if ib != pos[kb]:
                             consider({ka: int(va), kb: int(vb)}, da + abs(ib - pos[kb]))
@@ -465,7 +522,7 @@ class PlanSpace:
             return np.asarray(self.counts, dtype=np.int64)
         vals: set = set()
         for n in self.counts:
-            vals.update(domains(self.problem(n), self.fixed)[name])
+            vals.update(domains(self.problem(n), self.fixed, optuna_only=True)[name])
         return np.asarray(sorted(vals), dtype=np.int64)
 
     def iter_legal(self) -> Iterator[tuple[int, PlanBatch]]:
@@ -564,7 +621,8 @@ class LegalSampler(BaseSampler):
             n = int(rng.choice([c for c in self.space.counts if self.space.has_legal(c)]))
             rows = self.space.table(n).rows
             row = rows[int(rng.integers(len(rows)))]
-            params = self.space.params_of(n, {k: int(v) for k, v in zip(SAMPLED, row)})
+            params = self.space.params_of(n, {**self.space.enumerated_extras(),
+                                              **{k: int(v) for k, v in zip(TABLE_KNOBS, row)}})
             if tuple(params[k] for k in names) not in tried:
                 return params
         return None
@@ -698,7 +756,8 @@ class LegalGridSampler(BaseSampler):
         for start, n, size in self._offsets:
             if start <= k < start + size:
                 row = self.space.table(n).rows[k - start]
-                return self.space.params_of(n, {name: int(v) for name, v in zip(SAMPLED, row)})
+                return self.space.params_of(n, {**self.space.enumerated_extras(),
+                                                **{name: int(v) for name, v in zip(TABLE_KNOBS, row)}})
         raise IndexError(i)
 
     def infer_relative_search_space(self, study, trial):

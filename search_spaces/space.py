@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
+from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, stage_layers
 from costmodels.specs import ClusterSpec, JobSpec, ModelSpec, Recompute, SpecError
 
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -36,6 +36,9 @@ class Knob:
     label: str                                   # report column header
     domain: Callable[[Problem], tuple]           # candidate values before legality
     fmt: Callable[[int], str] = str
+    #: False for the knobs only the Optuna search samples: enumeration keeps them at 0 (their
+    #: default) unless the user fixes them, since they would multiply the space by ~L^2
+    exhaustive: bool = True
 
 
 def _divisors(n: int, limit: int) -> tuple:
@@ -56,7 +59,19 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          lambda v: Recompute(v).name.lower()),
     Knob("sp", "SP", lambda p: (0, 1), lambda v: "on" if v else "off"),
     Knob("zero", "ZeRO", lambda p: (0, 1, 2, 3)),
+    # 0 = even split / every layer; rules below bound them by the plan's stage and chunk sizes
+    Knob("first_layers", "First", lambda p: tuple(range(0, (p.model.num_layers + 1) // 2)),
+         lambda v: str(v) if v else "even", exhaustive=False),
+    Knob("last_layers", "Last", lambda p: tuple(range(0, (p.model.num_layers + 1) // 2)),
+         lambda v: str(v) if v else "even", exhaustive=False),
+    Knob("recompute_layers", "Rec. layers", lambda p: tuple(range(0, p.model.num_layers)),
+         lambda v: str(v) if v else "all", exhaustive=False),
 )}
+
+#: the knobs enumeration expands (the others stay at 0 unless fixed)
+EXHAUSTIVE_KNOBS = tuple(k for k, knob in KNOBS.items() if knob.exhaustive)
+#: the knobs only the Optuna search samples, after all the others
+OPTUNA_ONLY_KNOBS = tuple(k for k, knob in KNOBS.items() if not knob.exhaustive)
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,28 @@ def _v(a, k):
 
 def _mb(a, p):
     return p.job.global_batch // (a["dp"] * a["mbs"])
+
+
+def _even_stage(a, p):
+    """Layers on the busiest stage of the even split: ceil(L / (pp*vpp)) * vpp."""
+    return -(-p.model.num_layers // (a["pp"] * a["vpp"])) * a["vpp"]
+
+
+def _stages(a, p):
+    return stage_layers(p.model.num_layers, a["pp"], a["vpp"], a["first_layers"], a["last_layers"])
+
+
+def _rest_ok(a, p):
+    others = a["pp"] - (a["first_layers"] > 0) - (a["last_layers"] > 0)
+    rest = p.model.num_layers - a["first_layers"] - a["last_layers"]
+    even = (a["first_layers"] == 0) & (a["last_layers"] == 0)      # pp_layers covers the even split
+    return even | np.where(others > 0, rest >= others * a["vpp"], rest == 0)
+
+
+def _max_chunk(a, p):
+    n_first, n_mid, n_last = _stages(a, p)
+    n_mid = np.where(a["pp"] > 2, n_mid, 0)
+    return np.maximum(np.maximum(n_first, n_mid), n_last) // a["vpp"]
 
 
 RULES: tuple[Rule, ...] = (
@@ -116,6 +153,31 @@ RULES: tuple[Rule, ...] = (
          lambda a, p: f"zero={_v(a,'zero')} shards over dp*cp = 1: use zero=0"),
     Rule("zero23_no_pp", lambda a, p: (a["zero"] < 2) | (a["pp"] == 1),
          lambda a, p: f"zero={_v(a,'zero')} (gradient/parameter sharding) cannot be combined with pp={_v(a,'pp')} > 1"),
+    # uneven pipeline stages (Megatron-Core --decoder-first/last-pipeline-num-layers)
+    Rule("stage_layers_need_pp", lambda a, p: ((a["first_layers"] == 0) & (a["last_layers"] == 0)) | (a["pp"] > 1),
+         lambda a, p: "first_layers/last_layers need pp >= 2 (they size the first and last pipeline stage)"),
+    Rule("stage_layers_vpp", lambda a, p: (a["first_layers"] % a["vpp"] == 0) & (a["last_layers"] % a["vpp"] == 0),
+         lambda a, p: f"first_layers={_v(a,'first_layers')} and last_layers={_v(a,'last_layers')} must be "
+                      f"multiples of vpp={_v(a,'vpp')} (Megatron-Core splits each stage into vpp chunks)"),
+    # the flags exist to lighten the end stages (embedding + most in-flight activations on the
+    # first, output layer + loss on the last); equal to the even split is written 0
+    Rule("stage_layers_lighter", lambda a, p: (a["first_layers"] < _even_stage(a, p))
+         & (a["last_layers"] < _even_stage(a, p)),
+         lambda a, p: f"first_layers={_v(a,'first_layers')} and last_layers={_v(a,'last_layers')} must be "
+                      f"below the even split's {_v({'n': _even_stage(a, p)}, 'n')} layers per stage "
+                      f"(0 = even split)"),
+    Rule("stage_layers_rest", _rest_ok,
+         lambda a, p: f"first_layers={_v(a,'first_layers')} + last_layers={_v(a,'last_layers')} leave "
+                      f"{p.model.num_layers - _v(a,'first_layers') - _v(a,'last_layers')} of "
+                      f"{p.model.num_layers} layers: each other stage needs at least vpp={_v(a,'vpp')} "
+                      f"(and nothing may be left over when no other stage exists)"),
+    # block recomputation (Megatron --recompute-method block --recompute-num-layers N)
+    Rule("recompute_layers_full", lambda a, p: (a["recompute_layers"] == 0) | (a["recompute"] == int(Recompute.FULL)),
+         lambda a, p: f"recompute_layers={_v(a,'recompute_layers')} needs recompute=full"),
+    Rule("recompute_layers_chunk", lambda a, p: a["recompute_layers"] < _max_chunk(a, p),
+         lambda a, p: f"recompute_layers={_v(a,'recompute_layers')} is not below the "
+                      f"{_v({'n': _max_chunk(a, p)}, 'n')} layers of the largest pipeline chunk: use 0 "
+                      f"(recompute every layer)"),
 )
 
 
@@ -175,14 +237,20 @@ class SpaceStats:
         return {"total": self.total, "legal": self.legal, "illegal": dict(sorted((self.illegal or {}).items()))}
 
 
-def domains(problem: Problem, fixed: dict | None = None) -> dict:
-    """Candidate values per knob (dp excluded: it is derived). `fixed` pins knobs to one value."""
+def domains(problem: Problem, fixed: dict | None = None, optuna_only: bool = False) -> dict:
+    """Candidate values per knob (dp excluded: it is derived). `fixed` pins knobs to one value.
+    The Optuna-only knobs have their whole domain with `optuna_only`, else just 0 (their default)."""
     fixed = fixed or {}
     out = {}
     for name, knob in KNOBS.items():
         if name == "dp":
             continue
-        out[name] = (int(fixed[name]),) if name in fixed else tuple(int(x) for x in knob.domain(problem))
+        if name in fixed:
+            out[name] = (int(fixed[name]),)
+        elif knob.exhaustive or optuna_only:
+            out[name] = tuple(int(x) for x in knob.domain(problem))
+        else:
+            out[name] = (0,)
     return out
 
 
@@ -204,7 +272,7 @@ def enumerate_legal(problem: Problem, fixed: dict | None = None,
     N = problem.cluster.num_gpus
     stats = SpaceStats(illegal={})
     outer_keys = ("tp", "cp", "pp", "ep", "etp")
-    inner_keys = ("vpp", "mbs", "recompute", "sp", "zero")
+    inner_keys = ("vpp", "mbs", "recompute", "sp", "zero") + OPTUNA_ONLY_KNOBS
     inner = _grid({k: dom[k] for k in inner_keys})
     n_inner = len(inner["vpp"])
     outer = _grid({k: dom[k] for k in outer_keys})

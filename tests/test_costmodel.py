@@ -30,10 +30,10 @@ from costmodels import collectives as C
 from costmodels import model as cm
 from costmodels.encode import encode_cluster, encode_job, encode_model
 from costmodels.params import EfficiencyParams, params_as_arrays
-from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
+from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, stage_layers
 from costmodels.presets import load_gpu
 from costmodels.specs import ClusterSpec, JobSpec, ModelSpec, Precision, Recompute
-from search_spaces.space import Problem, check_rows, enumerate_legal
+from search_spaces.space import KNOBS, OPTUNA_ONLY_KNOBS, Problem, check_rows, enumerate_legal
 
 E = EfficiencyParams()                     # whatever the lead has tuned them to
 
@@ -420,6 +420,84 @@ def test_activation_memory_ordering(llama8b_inputs):
     assert a_mbs[2] == pytest.approx(4 * a_mbs[0], rel=0.05)    # linear in micro-batch tokens
 
 
+# ---- pipeline stages: uneven first/last stages, block recompute ----
+
+@pytest.mark.parametrize("layers, pp, vpp, first, last, expect", [
+    (126, 16, 1, 0, 0, (8, 8, 8)),          # even split: the busiest stage has ceil(126/16) layers
+    (126, 16, 1, 7, 7, (7, 8, 7)),          # Llama 3 405B: lighter end stages, 112 / 14 in the middle
+    (32, 4, 1, 0, 6, (9, 9, 6)),            # 26 layers over 3 stages: the busiest gets 9
+    (32, 4, 2, 0, 0, (8, 8, 8)),            # 2 chunks of 4
+    (30, 4, 2, 6, 0, (6, 8, 8)),            # 24 over 3 stages x 2 chunks: chunks of 4
+    (32, 2, 1, 10, 0, (10, 22, 22)),        # two stages: the last holds the rest
+    (32, 1, 1, 0, 0, (32, 32, 32)),         # one stage holds every layer
+])
+def test_stage_layers(layers, pp, vpp, first, last, expect):
+    got = stage_layers(layers, np.float64(pp), np.float64(vpp), np.float64(first), np.float64(last))
+    assert tuple(int(x) for x in got) == expect
+    got_jax = stage_layers(layers, jnp.float32(pp), jnp.float32(vpp), jnp.float32(first), jnp.float32(last), jnp)
+    assert tuple(int(x) for x in got_jax) == expect
+
+
+@pytest.fixture(scope="module")
+def llama405b_inputs():
+    return Inputs(build_problem(model="llama3.1-405b", gpu="h100", gpus=1024, global_batch=2048, seq_len=8192))
+
+
+def _eval_plans(inp, plans):
+    return _evaluate(_arrays(plans), inp.model, inp.hw, inp.job)
+
+
+def test_lighter_end_stages_shorten_the_pipeline(llama405b_inputs):
+    """126 layers on 16 stages: the even split puts 8 layers and the output layer + loss on the last
+    stage; 7 + 8*14 + 7 takes the loss off the critical stage and a layer off the first stage's
+    pp in-flight micro-batches (what Llama 3 405B ran)."""
+    base = dict(tp=8, pp=16, dp=8, sp=True, zero=1)
+    even, lighter, last_only = (_eval_plans(llama405b_inputs, [p])
+                                for p in (Plan(**base), Plan(**base, first_layers=7, last_layers=7),
+                                          Plan(**base, last_layers=7)))
+    assert lighter["step_time_s"][0] < even["step_time_s"][0]
+    assert lighter["t_bubble_s"][0] < even["t_bubble_s"][0]
+    assert lighter["mem_activations"][0] < even["mem_activations"][0]
+    assert lighter["mem_total"][0] < even["mem_total"][0]
+    # lightening only the last stage: 119 layers over 15 stages -> 8 per stage, same first stage
+    assert last_only["step_time_s"][0] < even["step_time_s"][0]
+    assert last_only["mem_total"][0] == pytest.approx(even["mem_total"][0], rel=1e-6)
+    # the step is the slowest stage's m micro-batches plus the others' fill and drain: making the
+    # first stage lighter still does not shorten the steady state when the middle stages bind
+    first_only = _eval_plans(llama405b_inputs, [Plan(**base, first_layers=6)])
+    assert first_only["step_time_s"][0] == pytest.approx(even["step_time_s"][0], rel=0.02)
+
+
+def test_block_recompute_trades_time_for_memory(llama405b_inputs):
+    """recompute=full with recompute_layers=N replays N of the 8 layers of each stage: time and
+    activation memory lie between no recompute (N=0 of recompute=none) and full (N=all), monotone."""
+    base = dict(tp=8, pp=16, dp=8, sp=True, zero=1)
+    plans = [Plan(**base)] + [Plan(**base, recompute=Recompute.FULL, recompute_layers=n) for n in (1, 3, 5, 7)] \
+        + [Plan(**base, recompute=Recompute.FULL)]
+    o = _eval_plans(llama405b_inputs, plans)
+    assert np.all(np.diff(o["t_recompute_s"]) > 0)
+    assert np.all(np.diff(o["mem_activations"]) < 0)
+    assert np.all(np.diff(o["hw_flops"]) > 0)
+    assert o["t_recompute_s"][0] == 0
+    # N layers of 8 replay N/8 of the full recompute's work (and its TP communication)
+    np.testing.assert_allclose(o["t_recompute_s"][1:5], o["t_recompute_s"][5] * np.array([1, 3, 5, 7]) / 8, rtol=1e-5)
+
+
+def test_memory_peak_moves_off_a_lightened_first_stage(llama8b_inputs):
+    """Megatron-Core's interleaved schedule runs 2*(pp-rank-1) + (v-1)*pp warm-up chunk forwards:
+    rank r holds (2*(pp-r-1) + (v-1)*pp + 1)/v micro-batches of its layers (first 4.75, second 4.25,
+    last 3.25 for pp=4, v=4). Lighten the first stage and a rank with more layers becomes the peak."""
+    inp = llama8b_inputs
+    base = dict(tp=4, pp=4, dp=4, vpp=4, sp=True)
+    even, light_first = (_eval_plans(inp, [p]) for p in (Plan(**base), Plan(**base, first_layers=4)))
+    # even: 8 layers x 4.75 on the first rank; lightened: 28 layers over 3 stages x 4 chunks -> 12
+    # layers (chunks of ceil(28/12) = 3) on the other ranks, the last holding 3.25 + the logits,
+    # the second 4.25 micro-batches
+    ratio = float(light_first["mem_activations"][0] / even["mem_activations"][0])
+    assert 12 * 3.25 / (8 * 4.75) <= ratio <= 12 * 4.25 / (8 * 4.75) * 1.001
+    assert light_first["mem_total"][0] > even["mem_total"][0]
+
+
 # =============================================================================================
 # 2. Contracts over random samples of legal plans (STYLE point 7)
 # =============================================================================================
@@ -444,8 +522,20 @@ class Case:
         self.n = len(self.rows["tp"])
         idx = np.sort(np.random.default_rng(1234).choice(self.n, size=min(SAMPLE, self.n), replace=False))
         self.idx = idx
-        self.sample = {k: v[idx] for k, v in self.rows.items()}
+        self.sample = self._with_optuna_knobs({k: v[idx] for k, v in self.rows.items()})
         self.out = self.evaluate(self.sample)
+
+    def _with_optuna_knobs(self, sample: dict) -> dict:
+        """About half the sampled plans get random legal values of the Optuna-only knobs (uneven
+        end stages, block recompute), so every contract also covers them."""
+        rng = np.random.default_rng(4321)
+        size = len(sample["tp"])
+        for knob in OPTUNA_ONLY_KNOBS:
+            trial = dict(sample)
+            trial[knob] = rng.choice(np.asarray(KNOBS[knob].domain(self.problem)), size=size).astype(np.int32)
+            legal, _ = check_rows({k: v.astype(np.int64) for k, v in trial.items()}, self.problem)
+            sample[knob] = np.where(legal & (rng.random(size) < 0.7), trial[knob], sample[knob]).astype(np.int32)
+        return sample
 
     def evaluate(self, arrays, hw=None, job=None, e=E) -> dict:
         return _evaluate(arrays, self.inp.model, hw or self.inp.hw, job or self.inp.job, e)
@@ -474,6 +564,14 @@ def test_terms_finite_and_non_negative(case):
     # time and memory keys the reports read all exist
     assert set(TIME_KEYS.values()) <= set(case.out)
     assert set(MEM_KEYS.values()) <= set(case.out)
+
+
+def test_sample_covers_the_optuna_only_knobs(case):
+    s = case.sample
+    legal, _ = check_rows({k: v.astype(np.int64) for k, v in s.items()}, case.problem)
+    assert legal.all()
+    for knob in OPTUNA_ONLY_KNOBS:
+        _nonvacuous(s[knob] > 0)
 
 
 def test_breakdowns_sum_to_totals(case):

@@ -78,7 +78,9 @@ def test_distributions_derive_from_the_knob_domains(small_space):
     _, space = small_space
     # dense model: ep and etp have one value each, so they are constants, not parameters
     assert space.constants == {"ep": 1, "etp": 1}
-    assert list(space.distributions) == ["tp", "cp", "pp", "vpp", "mbs", "recompute", "sp", "zero"]
+    # the Optuna-only knobs (uneven end stages, block recompute) come last
+    assert list(space.distributions) == ["tp", "cp", "pp", "vpp", "mbs", "recompute", "sp", "zero",
+                                         "first_layers", "last_layers", "recompute_layers"]
     assert space.distributions["tp"].log and not space.distributions["recompute"].log
     assert (space.distributions["zero"].low, space.distributions["zero"].high) == (0, 3)
 
@@ -139,7 +141,7 @@ def test_neighbors_are_legal_and_sorted(small_space):
 # Search: the exhaustive optimum, constraints, seeding, resume
 # ---------------------------------------------------------------------------------------------
 
-PINNED = {"zero": 1, "recompute": 0, "sp": 1}        # 93 legal plans
+PINNED = {"zero": 1, "recompute": 0, "sp": 1, "first_layers": 0, "last_layers": 0}   # 93 legal plans
 
 
 def test_tpe_reaches_the_exhaustive_optimum_on_a_small_space():
@@ -149,6 +151,39 @@ def test_tpe_reaches_the_exhaustive_optimum_on_a_small_space():
     assert res.best["plan"] == ref.best["plan"]
     assert res.best["step_time_s"] == pytest.approx(ref.best["step_time_s"], rel=1e-5)
     assert res.strategy == "optuna" and res.extra["optuna"]["n_trials"] == 120
+
+
+MESH = {"tp": 2, "cp": 1, "pp": 4, "vpp": 1, "mbs": 1, "sp": 1, "zero": 1}
+MESH_PROBLEM = dict(model="llama3-8b", gpu="h100", gpus="16", global_batch=64, seq_len=4096)
+
+
+def test_optuna_only_knobs_are_searched_and_beat_the_even_split():
+    """Uneven end stages and block recompute exist only in the Optuna space: with the mesh pinned,
+    the search over recompute x first_layers x last_layers x recompute_layers finds the best of a
+    brute-force scoring of every legal combination, which is not the even split (llama3-8b's output
+    layer over a 128k vocabulary costs ~2 layers on the last stage)."""
+    from autotune.scoring import Inputs, score_summary
+    from costmodels.params import EfficiencyParams
+    from costmodels.plan import PlanBatch
+    from search_spaces.space import domains
+
+    problem = build_problem(**{**MESH_PROBLEM, "gpus": 16})
+    dom = domains(problem, MESH, optuna_only=True)
+    grid = np.meshgrid(*[np.asarray(dom[k]) for k in dom], indexing="ij")
+    arrays = {k: g.reshape(-1).astype(np.int64) for k, g in zip(dom, grid)}
+    arrays["dp"] = 16 // (arrays["tp"] * arrays["cp"] * arrays["pp"])
+    legal, _ = check_rows(arrays, problem)
+    batch = PlanBatch({f: arrays[f][legal].astype(np.int32) for f in PLAN_FIELDS})
+    steps, mems = score_summary(batch, Inputs(problem), EfficiencyParams())
+    fits = mems <= Inputs(problem).memory_limit_bytes
+    best = int(np.argmin(np.where(fits, steps, np.inf)))
+    even = exhaustive(problem, fixed=MESH).best["step_time_s"]
+    assert batch["last_layers"][best] > 0 and steps[best] < even * 0.97
+
+    res = optuna_search(StudySpec(**MESH_PROBLEM, fixed=MESH, seed=0), n_trials=150)
+    assert res.best["step_time_s"] <= steps[best] * 1.01
+    assert res.best["plan"]["last_layers"] > 0
+    assert len(batch) > 150                        # the search did not just score every combination
 
 
 def test_infeasible_plans_are_never_reported_as_best():

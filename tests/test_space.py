@@ -79,6 +79,20 @@ _CASES = [
      Plan(dp=16, etp=8), Plan(dp=16, etp=4)),
     ("etp_ffn", "etp on a dense model", _problem(),
      Plan(dp=16, etp=2), Plan(dp=16, etp=1)),
+    # one stage cannot be uneven (and its layers no longer add up)
+    ("stage_layers_need_pp", "first stage size without a pipeline", _problem(),
+     Plan(dp=16, first_layers=1), Plan(dp=16), ("stage_layers_rest",)),
+    ("stage_layers_vpp", "first stage not a multiple of vpp", _problem(),
+     Plan(pp=2, dp=8, vpp=2, first_layers=1), Plan(pp=2, dp=8, vpp=2, first_layers=2)),
+    ("stage_layers_lighter", "first stage as large as the even split", _problem(),
+     Plan(pp=2, dp=8, first_layers=4), Plan(pp=2, dp=8, first_layers=3)),
+    ("stage_layers_rest", "two stages whose layers do not add up", _problem(),
+     Plan(pp=2, dp=8, first_layers=3, last_layers=3), Plan(pp=2, dp=8, first_layers=3)),
+    ("recompute_layers_full", "block recompute without full recompute", _problem(),
+     Plan(dp=16, recompute_layers=2), Plan(dp=16, recompute=Recompute.FULL, recompute_layers=2)),
+    ("recompute_layers_chunk", "block recompute of a whole chunk", _problem(),
+     Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=4),
+     Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=3)),
 ]
 
 
