@@ -88,11 +88,14 @@ MAX_BATCH = SMALL_CHUNK
 #: 16 random start-up trials, 48 candidates per acquisition, then 70% of the trials refine the
 #: best 2 plans locally and the rest come from multivariate TPE (constant liar for the batch),
 #: re-asked up to 3 times when it repeats a plan (see search_spaces.optuna_space.LegalSampler).
+#: The local moves are ranked by a local model of the told values (expected improvement times the
+#: probability of fitting memory, `TPE_SURROGATE`); without it, TPE's l(x)/g(x) ranks the nearest.
 TPE_STARTUP_TRIALS = 16
 TPE_EI_CANDIDATES = 48
 TPE_REFINE = 0.7
 TPE_REFINE_INCUMBENTS = 2
 TPE_RETRIES = 3
+TPE_SURROGATE = True
 #: `auto` searches exhaustively up to this many legal plans (~1 s per 10^6 plans on 2 CPU cores)
 AUTO_EXHAUSTIVE_MAX = 3_000_000
 #: RUNNING trials older than this (seconds) are taken as left by a dead worker
@@ -145,7 +148,7 @@ def make_sampler(name: str, seed: int | None, space: PlanSpace, n_objectives: in
                 n_ei_candidates=TPE_EI_CANDIDATES, constant_liar=True)
             return LegalSampler(base, space, refine=TPE_REFINE if n_objectives == 1 else 0.0,
                                 refine_after=TPE_STARTUP_TRIALS, refine_incumbents=TPE_REFINE_INCUMBENTS,
-                                retries=TPE_RETRIES, seed=seed)
+                                retries=TPE_RETRIES, seed=seed, surrogate=TPE_SURROGATE)
         elif key == "nsga2":
             base = optuna.samplers.NSGAIISampler(seed=seed, population_size=max(20, 2 * len(space.distributions)))
         elif key == "gp":

@@ -554,13 +554,21 @@ class LegalSampler(BaseSampler):
       the nearest first, ranked by TPE's own acquisition l(x)/g(x) when the base is TPE); after a
       move that improved the best plan, the same move is repeated once more (a Hooke-Jeeves pattern
       move). It is a local search that finishes what the global model finds (single objective
-      only). Which trials refine depends only on the trial number: reproducible, and it works
+      only).
+    - `surrogate`: rank all the untried one- and two-knob moves from the incumbents (not only the
+      nearest) by a local model of the values told so far (`_local_surrogate`: additive in the
+      knob values, fitted on the trials weighted by how few knobs they differ from the incumbent,
+      `surrogate_tau`; one model per incumbent with `surrogate_per_incumbent`): expected
+      improvement of the objective times the probability that memory fits. A two-knob move whose
+      halves were seen (tp down: faster but over memory; mbs down: slower, less memory) is
+      predicted from them, and the headroom of a feasible plan steers moves toward the limit. Which trials refine depends only on the trial number: reproducible, and it works
       across workers sharing a study.
     """
 
     def __init__(self, base: BaseSampler, space: PlanSpace, *, refine: float = 0.0,
                  refine_after: int = 0, refine_incumbents: int = 4, seed: int | None = None,
-                 retries: int = 0):
+                 retries: int = 0, surrogate: bool = False, surrogate_tau: float = 2.0,
+                 surrogate_per_incumbent: bool = True):
         self.base = base
         self.retries = int(retries)
         self.space = space
@@ -568,6 +576,9 @@ class LegalSampler(BaseSampler):
         self.refine_after = int(refine_after)
         self.refine_incumbents = int(refine_incumbents)
         self.seed = seed
+        self.surrogate = bool(surrogate)
+        self.surrogate_tau = float(surrogate_tau)
+        self.surrogate_per_incumbent = bool(surrogate_per_incumbent)
         self._proposals: dict = {}
         self._origin: dict = {}         # plan (tuple) -> the incumbent it is a local move from
         self._snapshot: tuple = (None, [])
@@ -677,6 +688,7 @@ class LegalSampler(BaseSampler):
                 return cand
         seen_inc: set = set()
         options: list = []             # (distance + rank of the incumbent, plan, incumbent)
+        all_options: list = []         # every untried move, for the surrogate
         for t in done:
             key = tuple(t.params[k] for k in names)
             if key in seen_inc:
@@ -689,21 +701,142 @@ class LegalSampler(BaseSampler):
                      if tuple(c[k] for k in names) not in tried]
             if fresh:
                 options += [o for o in fresh if o[0] == fresh[0][0]]
+                all_options += fresh
         if options:
             low = min(o[0] for o in options)
             nearest = [o for o in options if o[0] == low]
             pick = int(rng.integers(len(nearest)))
-            scores = _tpe_acquisition(self.base, study, number, self.space.distributions,
-                                      [c for _, c, _ in nearest])
-            if scores is not None:      # TPE's model ranks the nearest untried neighbours
-                pick = int(np.argmax(scores))
+            scores = None
+            if self.surrogate:          # a local model of the told values ranks every untried neighbour
+                scores = self._surrogate_scores(trials, names, sign, done[0].params, all_options)
+                if scores is not None:
+                    d = np.array([o[0] for o in all_options], dtype=float)
+                    pick = int(np.lexsort((d, -scores))[0])
+                    nearest = all_options
+            if scores is None:
+                scores = _tpe_acquisition(self.base, study, number, self.space.distributions,
+                                          [c for _, c, _ in nearest])
+                if scores is not None:      # TPE's model ranks the nearest untried neighbours
+                    pick = int(np.argmax(scores))
             _, cand, inc = nearest[pick]
             self._origin[tuple(cand[k] for k in names)] = dict(inc)
             return cand
         return None
 
+    def _surrogate_scores(self, trials: list, names: tuple, sign: float, best: dict,
+                          options: list) -> np.ndarray | None:
+        """`_local_surrogate` for (distance, plan, incumbent) options: one model centred on each
+        incumbent for the moves from it (or one centred on the best plan for all)."""
+        if not self.surrogate_per_incumbent:
+            return _local_surrogate(self.space, trials, names, sign, best, [c for _, c, _ in options],
+                                    self.surrogate_tau)
+        scores = np.zeros(len(options))
+        groups: dict = {}
+        for i, (_, _, inc) in enumerate(options):
+            groups.setdefault(tuple(inc[k] for k in names), []).append(i)
+        for ids in groups.values():
+            got = _local_surrogate(self.space, trials, names, sign, options[ids[0]][2],
+                                   [options[i][1] for i in ids], self.surrogate_tau)
+            if got is None:
+                return None
+            scores[ids] = got
+        return scores
+
     def reseed_rng(self) -> None:
         self.base.reseed_rng()
+
+
+def _trial_targets(t, sign: float) -> tuple[float, float | None] | None:
+    """(objective to minimize, log memory over its limit or None) of a complete trial."""
+    v = float(t.values[0])
+    if not math.isfinite(v):
+        return None
+    y = sign * (math.log(v) if v > 0 else v)
+    m = (t.user_attrs or {}).get("metrics") or {}
+    mem, lim = m.get("memory_gb"), m.get("memory_limit_gb")
+    if mem is not None and lim and mem > 0 and lim > 0 and math.isfinite(mem):
+        return y, math.log(mem / lim)
+    return y, None
+
+
+_ERF = np.frompyfunc(math.erf, 1, 1)
+
+
+def _norm_cdf(z: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + _ERF(np.asarray(z, dtype=np.float64) / math.sqrt(2.0)).astype(np.float64))
+
+
+def _norm_pdf(z: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * np.asarray(z, dtype=np.float64) ** 2) / math.sqrt(2.0 * math.pi)
+
+
+def _local_surrogate(space: "PlanSpace", trials: list, names: tuple, sign: float, center: dict,
+                     candidates: list, tau: float = 2.0, alpha: float = 1.0) -> np.ndarray | None:
+    """Expected improvement x probability of fitting memory, for candidate plans near `center`.
+
+    Two Bayesian linear models over one-hot knob values (one for the objective in log space, one
+    for log(memory / limit)), fitted on the study's complete trials weighted by exp(-k / tau) where
+    k is how many knobs differ from `center`: a local additive model, so a two-knob move is
+    predicted from the one-knob moves seen around the incumbent (tp down costs memory, mbs down
+    gives it back). Only told values are used. None when there is too little data."""
+    from optuna.trial import TrialState
+    rows, ys, ms = [], [], []
+    for t in trials:
+        if t.state != TrialState.COMPLETE or not t.values or not set(names) <= set(t.params):
+            continue
+        got = _trial_targets(t, sign)
+        if got is None:
+            continue
+        rows.append([int(t.params[k]) for k in names])
+        ys.append(got[0])
+        ms.append(np.nan if got[1] is None else got[1])
+    if len(rows) < 4:
+        return None
+    doms = [space._domain_values(k) for k in names]
+    offs = np.cumsum([0] + [len(d) for d in doms])
+
+    def encode(R: np.ndarray) -> np.ndarray:
+        X = np.zeros((len(R), int(offs[-1])))
+        for j, d in enumerate(doms):
+            X[np.arange(len(R)), offs[j] + np.clip(np.searchsorted(d, R[:, j]), 0, len(d) - 1)] = 1.0
+        return X
+
+    R = np.asarray(rows, dtype=np.int64)
+    c = np.array([int(center[k]) for k in names])
+    w = np.exp(-(R != c).sum(1) / tau)
+    X = encode(R)
+    C = np.asarray([[int(p[k]) for k in names] for p in candidates], dtype=np.int64)
+    Xc = encode(C)
+
+    def fit(y: np.ndarray, mask: np.ndarray):
+        if mask.sum() < 4:
+            return None
+        Xm, ym, wm = X[mask], y[mask], w[mask]
+        mu0 = float(np.sum(wm * ym) / np.sum(wm))
+        A = (Xm * wm[:, None]).T @ Xm + alpha * np.eye(X.shape[1])
+        Ainv = np.linalg.inv(A)
+        beta = Ainv @ ((Xm * wm[:, None]).T @ (ym - mu0))
+        res = ym - mu0 - Xm @ beta
+        s2 = max(float(np.sum(wm * res ** 2) / max(np.sum(wm), 1e-9)), 1e-6)
+        mean = mu0 + Xc @ beta
+        var = s2 * np.einsum("ij,jk,ik->i", Xc, Ainv, Xc) + 1e-9
+        return mean, np.sqrt(var)
+
+    y = np.asarray(ys)
+    got = fit(y, np.ones(len(y), bool))
+    if got is None:
+        return None
+    mean, sd = got
+    mem = np.asarray(ms)
+    feasible = np.nan_to_num(mem, nan=0.0) <= 0
+    best = float(y[feasible].min()) if feasible.any() else float(y.min())
+    z = (best - mean) / sd
+    ei = sd * _norm_pdf(z) + (best - mean) * _norm_cdf(z)
+    mem_fit = fit(np.nan_to_num(mem), ~np.isnan(mem))
+    if mem_fit is not None:
+        mm, msd = mem_fit
+        ei = ei * _norm_cdf(-mm / msd)
+    return np.asarray(ei)
 
 
 def _tpe_acquisition(base, study, number: int, space: dict, candidates: list) -> np.ndarray | None:
