@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.01)
     ap.add_argument("--space", choices=("pinned", "full"), default="pinned",
                     help="pinned: Optuna-only knobs at 0 (the exhaustive space); full: searched too")
+    ap.add_argument("--no-gain", action="store_true", help="skip the 'what the Optuna-only knobs add' lines")
     args = ap.parse_args(argv)
     fixed = PINNED if args.space == "pinned" else {}
 
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
           f"incumbents={osr.TPE_REFINE_INCUMBENTS} retries={osr.TPE_RETRIES} space={args.space}")
     for name, kw in CASES + GAIN_CASES:
         if (args.case and name not in args.case) or (not args.case and (name, kw) in GAIN_CASES):
-            if (name, kw) in GAIN_CASES and not args.case:
+            if (name, kw) in GAIN_CASES and not args.case and not args.no_gain:
                 spec0 = StudySpec(**kw, fixed=fixed).resolved()
                 space = spec0.build_space()
                 scorer = BatchScorer(space, spec0.params(), spec0.memory_limit_gb)
@@ -135,8 +136,8 @@ def main(argv=None) -> int:
         opt, n_legal, n_fit = exhaustive_optimum(space, scorer)
         t_exh = time.perf_counter() - t0
         target = opt * (1.0 + args.tolerance)
-        gain_step, gain_plan = extras_gain(space, scorer)
-        gains.append((name, opt, gain_step, gain_plan))
+        if not args.no_gain:
+            gains.append((name, opt, *extras_gain(space, scorer)))
         got, walls, shares = [], [], []
         for seed in range(args.seeds):
             spec = StudySpec(**{**kw, "seed": seed}, fixed=fixed, sampler=args.sampler,
