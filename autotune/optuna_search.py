@@ -96,6 +96,8 @@ TPE_REFINE = 0.7
 TPE_REFINE_INCUMBENTS = 2
 TPE_RETRIES = 3
 TPE_SURROGATE = True
+#: "gp" (Gaussian processes on a Hamming-like kernel: sees knob interactions) or "linear" (additive)
+TPE_SURROGATE_MODEL = "gp"
 #: `auto` searches exhaustively up to this many legal plans (~1 s per 10^6 plans on 2 CPU cores)
 AUTO_EXHAUSTIVE_MAX = 3_000_000
 #: RUNNING trials older than this (seconds) are taken as left by a dead worker
@@ -148,7 +150,8 @@ def make_sampler(name: str, seed: int | None, space: PlanSpace, n_objectives: in
                 n_ei_candidates=TPE_EI_CANDIDATES, constant_liar=True)
             return LegalSampler(base, space, refine=TPE_REFINE if n_objectives == 1 else 0.0,
                                 refine_after=TPE_STARTUP_TRIALS, refine_incumbents=TPE_REFINE_INCUMBENTS,
-                                retries=TPE_RETRIES, seed=seed, surrogate=TPE_SURROGATE)
+                                retries=TPE_RETRIES, seed=seed, surrogate=TPE_SURROGATE,
+                                surrogate_model=TPE_SURROGATE_MODEL)
         elif key == "nsga2":
             base = optuna.samplers.NSGAIISampler(seed=seed, population_size=max(20, 2 * len(space.distributions)))
         elif key == "gp":

@@ -561,14 +561,16 @@ class LegalSampler(BaseSampler):
       `surrogate_tau`; one model per incumbent with `surrogate_per_incumbent`): expected
       improvement of the objective times the probability that memory fits. A two-knob move whose
       halves were seen (tp down: faster but over memory; mbs down: slower, less memory) is
-      predicted from them, and the headroom of a feasible plan steers moves toward the limit. Which trials refine depends only on the trial number: reproducible, and it works
+      predicted from them, and the headroom of a feasible plan steers moves toward the limit.
+      `surrogate_model="gp"` uses Gaussian processes instead (`_local_gp`), which also see knob
+      interactions (pp 4 good with ep 1, bad with ep 2). Which trials refine depends only on the trial number: reproducible, and it works
       across workers sharing a study.
     """
 
     def __init__(self, base: BaseSampler, space: PlanSpace, *, refine: float = 0.0,
                  refine_after: int = 0, refine_incumbents: int = 4, seed: int | None = None,
                  retries: int = 0, surrogate: bool = False, surrogate_tau: float = 2.0,
-                 surrogate_per_incumbent: bool = True):
+                 surrogate_per_incumbent: bool = True, surrogate_model: str = "linear"):
         self.base = base
         self.retries = int(retries)
         self.space = space
@@ -579,6 +581,9 @@ class LegalSampler(BaseSampler):
         self.surrogate = bool(surrogate)
         self.surrogate_tau = float(surrogate_tau)
         self.surrogate_per_incumbent = bool(surrogate_per_incumbent)
+        if surrogate_model not in ("linear", "gp"):
+            raise ValueError(f"surrogate_model must be 'linear' or 'gp', got {surrogate_model!r}")
+        self.surrogate_model = surrogate_model
         self._proposals: dict = {}
         self._origin: dict = {}         # plan (tuple) -> the incumbent it is a local move from
         self._snapshot: tuple = (None, [])
@@ -728,14 +733,16 @@ class LegalSampler(BaseSampler):
         """`_local_surrogate` for (distance, plan, incumbent) options: one model centred on each
         incumbent for the moves from it (or one centred on the best plan for all)."""
         if not self.surrogate_per_incumbent:
-            return _local_surrogate(self.space, trials, names, sign, best, [c for _, c, _ in options],
+            model = _local_gp if self.surrogate_model == "gp" else _local_surrogate
+            return model(self.space, trials, names, sign, best, [c for _, c, _ in options],
                                     self.surrogate_tau)
         scores = np.zeros(len(options))
         groups: dict = {}
         for i, (_, _, inc) in enumerate(options):
             groups.setdefault(tuple(inc[k] for k in names), []).append(i)
         for ids in groups.values():
-            got = _local_surrogate(self.space, trials, names, sign, options[ids[0]][2],
+            model = _local_gp if self.surrogate_model == "gp" else _local_surrogate
+            got = model(self.space, trials, names, sign, options[ids[0]][2],
                                    [options[i][1] for i in ids], self.surrogate_tau)
             if got is None:
                 return None
@@ -904,3 +911,67 @@ class LegalGridSampler(BaseSampler):
     def sample_independent(self, study, trial, param_name, param_distribution):
         # only reached for a parameter outside the space (never, with PlanSpace.suggest)
         return self.space.project(param_name, param_distribution.low, trial.params)
+
+
+
+def _local_gp(space: "PlanSpace", trials: list, names: tuple, sign: float, center: dict,
+              candidates: list, tau: float = 2.0, length: float = 1.5, noise: float = 0.05,
+              max_points: int = 256) -> np.ndarray | None:
+    """Like `_local_surrogate`, with Gaussian processes instead of additive models, so that knob
+    interactions (pp4 good with ep1, bad with ep2) are seen: kernel exp(-d/length) where d sums, over
+    the knobs, min(domain steps apart, 2)/2; fitted on the `max_points` told trials nearest `center`."""
+    from optuna.trial import TrialState
+    rows, ys, ms = [], [], []
+    for t in trials:
+        if t.state != TrialState.COMPLETE or not t.values or not set(names) <= set(t.params):
+            continue
+        got = _trial_targets(t, sign)
+        if got is None:
+            continue
+        rows.append([int(t.params[k]) for k in names])
+        ys.append(got[0])
+        ms.append(np.nan if got[1] is None else got[1])
+    if len(rows) < 4:
+        return None
+    doms = [space._domain_values(k) for k in names]
+
+    def index(R: np.ndarray) -> np.ndarray:
+        return np.stack([np.searchsorted(d, R[:, j]) for j, d in enumerate(doms)], axis=1).astype(np.float64)
+
+    R = index(np.asarray(rows, dtype=np.int64))
+    c = index(np.array([[int(center[k]) for k in names]]))[0]
+    C = index(np.asarray([[int(p[k]) for k in names] for p in candidates], dtype=np.int64))
+
+    def dist(A, B):
+        return np.minimum(np.abs(A[:, None, :] - B[None, :, :]), 2.0).sum(-1) / 2.0
+
+    near = np.argsort(dist(R, c[None, :])[:, 0], kind="stable")[:max_points]
+    R, y_all, m_all = R[near], np.asarray(ys)[near], np.asarray(ms)[near]
+
+    def fit(y: np.ndarray, mask: np.ndarray):
+        if mask.sum() < 4:
+            return None
+        X, yy = R[mask], y[mask]
+        mu, sd = float(yy.mean()), float(yy.std()) or 1.0
+        K = np.exp(-dist(X, X) / length) + noise * np.eye(len(X))
+        L = np.linalg.cholesky(K)
+        alpha = np.linalg.solve(L.T, np.linalg.solve(L, (yy - mu) / sd))
+        Ks = np.exp(-dist(C, X) / length)
+        v = np.linalg.solve(L, Ks.T)
+        mean = mu + sd * (Ks @ alpha)
+        var = np.maximum(1.0 - (v * v).sum(0), 1e-9)
+        return mean, sd * np.sqrt(var)
+
+    got = fit(y_all, np.ones(len(y_all), bool))
+    if got is None:
+        return None
+    mean, sdv = got
+    feasible = np.nan_to_num(m_all, nan=0.0) <= 0
+    best = float(y_all[feasible].min()) if feasible.any() else float(y_all.min())
+    z = (best - mean) / sdv
+    ei = sdv * _norm_pdf(z) + (best - mean) * _norm_cdf(z)
+    mem_fit = fit(np.nan_to_num(m_all), ~np.isnan(m_all))
+    if mem_fit is not None:
+        mm, msd = mem_fit
+        ei = ei * _norm_cdf(-mm / msd)
+    return np.asarray(ei)
