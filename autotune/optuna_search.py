@@ -86,14 +86,14 @@ DEFAULT_TRIALS = 300
 MAX_BATCH = SMALL_CHUNK
 #: TPE settings tuned on tests/benchmarks/bench_optuna.py (trials to reach 1% of the optimum):
 #: 16 random start-up trials, 48 candidates per acquisition, then 70% of the trials refine the
-#: best 2 plans locally and the rest come from multivariate TPE (constant liar for the batch),
+#: best 3 plans locally and the rest come from multivariate TPE (constant liar for the batch),
 #: re-asked up to 3 times when it repeats a plan (see search_spaces.optuna_space.LegalSampler).
 #: The local moves are ranked by a local model of the told values (expected improvement times the
 #: probability of fitting memory, `TPE_SURROGATE`); without it, TPE's l(x)/g(x) ranks the nearest.
 TPE_STARTUP_TRIALS = 16
 TPE_EI_CANDIDATES = 48
 TPE_REFINE = 0.7
-TPE_REFINE_INCUMBENTS = 2
+TPE_REFINE_INCUMBENTS = 3
 TPE_RETRIES = 3
 TPE_SURROGATE = True
 #: "gp" (Gaussian processes on a Hamming-like kernel: sees knob interactions) or "linear" (additive)
