@@ -24,7 +24,7 @@ from autotune.optuna_search import BatchScorer, StudySpec, optuna_search
 from autotune.search import NothingFits, exhaustive
 from autotune.studies import open_storage, redact_url, scrub
 from cli.main import app
-from costmodels.plan import PLAN_FIELDS
+from costmodels.plan import PLAN_FIELDS, PlanBatch
 from costmodels.specs import SpecError
 from search_spaces.optuna_space import GPUS, GpuRange, LegalSampler, PlanSpace, parse_gpus
 from search_spaces.space import check_rows, count_legal, enumerate_legal
@@ -184,6 +184,34 @@ def test_optuna_only_knobs_are_searched_and_beat_the_even_split():
     assert res.best["step_time_s"] <= steps[best] * 1.01
     assert res.best["plan"]["last_layers"] > 0
     assert len(batch) > 150                        # the search did not just score every combination
+
+
+@pytest.mark.parametrize("model", ["gp", "linear"])
+def test_local_surrogates_rank_legal_moves_and_reach_the_optimum(model):
+    """Both local models behind the refinement moves (Gaussian processes, the default, and the
+    additive one) only ever propose legal plans and find the exhaustive optimum of a small space."""
+    spec = StudySpec(**SMALL, fixed=PINNED, seed=2).resolved()
+    space = spec.build_space()
+    base = optuna.samplers.TPESampler(seed=2, multivariate=True, n_startup_trials=8, constant_liar=True)
+    sampler = LegalSampler(base, space, refine=0.7, refine_after=8, refine_incumbents=3, retries=3, seed=2,
+                           surrogate=True, surrogate_model=model)
+    study = optuna.create_study(sampler=sampler, direction="minimize")
+    scorer = BatchScorer(space, spec.params(), None)
+    problem = space.problem(8)
+    for _ in range(60):
+        trial = study.ask()
+        n, plan = space.suggest(trial)
+        legal, _ = check_rows({f: np.array([plan[f]]) for f in PLAN_FIELDS}, problem)
+        assert legal[0]
+        step, mem = scorer.score(np.array([n]), PlanBatch({f: np.array([plan[f]], dtype=np.int32) for f in PLAN_FIELDS}))
+        fits = bool(mem[0] <= scorer.limit_bytes(n))
+        trial.set_user_attr("metrics", {"memory_gb": float(mem[0]) / 1e9,
+                                        "memory_limit_gb": scorer.limit_bytes(n) / 1e9})
+        study.tell(trial, float(step[0]) if fits else float(step[0]) * 10)
+    ref = exhaustive(build_problem(**{**SMALL, "gpus": 8}), fixed=PINNED)
+    assert study.best_value == pytest.approx(ref.best["step_time_s"], rel=1e-5)
+    with pytest.raises(ValueError):
+        LegalSampler(base, space, surrogate=True, surrogate_model="forest")
 
 
 def test_infeasible_plans_are_never_reported_as_best():
