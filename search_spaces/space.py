@@ -79,6 +79,9 @@ class Rule:
     name: str
     ok: Callable[[dict, Problem], np.ndarray]    # vectorized: arrays -> bool mask of legal rows
     explain: Callable[[dict, Problem], str]      # message for one plan (arrays of length 1)
+    #: the rule can only fail when one of these knobs is non-zero (enumeration skips it when they
+    #: are all pinned to 0)
+    only_if_set: tuple = ()
 
 
 def _v(a, k):
@@ -155,29 +158,35 @@ RULES: tuple[Rule, ...] = (
          lambda a, p: f"zero={_v(a,'zero')} (gradient/parameter sharding) cannot be combined with pp={_v(a,'pp')} > 1"),
     # uneven pipeline stages (Megatron-Core --decoder-first/last-pipeline-num-layers)
     Rule("stage_layers_need_pp", lambda a, p: ((a["first_layers"] == 0) & (a["last_layers"] == 0)) | (a["pp"] > 1),
-         lambda a, p: "first_layers/last_layers need pp >= 2 (they size the first and last pipeline stage)"),
+         lambda a, p: "first_layers/last_layers need pp >= 2 (they size the first and last pipeline stage)",
+         only_if_set=('first_layers', 'last_layers')),
     Rule("stage_layers_vpp", lambda a, p: (a["first_layers"] % a["vpp"] == 0) & (a["last_layers"] % a["vpp"] == 0),
          lambda a, p: f"first_layers={_v(a,'first_layers')} and last_layers={_v(a,'last_layers')} must be "
-                      f"multiples of vpp={_v(a,'vpp')} (Megatron-Core splits each stage into vpp chunks)"),
+                      f"multiples of vpp={_v(a,'vpp')} (Megatron-Core splits each stage into vpp chunks)",
+         only_if_set=('first_layers', 'last_layers')),
     # the flags exist to lighten the end stages (embedding + most in-flight activations on the
     # first, output layer + loss on the last); equal to the even split is written 0
     Rule("stage_layers_lighter", lambda a, p: (a["first_layers"] < _even_stage(a, p))
          & (a["last_layers"] < _even_stage(a, p)),
          lambda a, p: f"first_layers={_v(a,'first_layers')} and last_layers={_v(a,'last_layers')} must be "
                       f"below the even split's {_v({'n': _even_stage(a, p)}, 'n')} layers per stage "
-                      f"(0 = even split)"),
+                      f"(0 = even split)",
+         only_if_set=('first_layers', 'last_layers')),
     Rule("stage_layers_rest", _rest_ok,
          lambda a, p: f"first_layers={_v(a,'first_layers')} + last_layers={_v(a,'last_layers')} leave "
                       f"{p.model.num_layers - _v(a,'first_layers') - _v(a,'last_layers')} of "
                       f"{p.model.num_layers} layers: each other stage needs at least vpp={_v(a,'vpp')} "
-                      f"(and nothing may be left over when no other stage exists)"),
+                      f"(and nothing may be left over when no other stage exists)",
+         only_if_set=('first_layers', 'last_layers')),
     # block recomputation (Megatron --recompute-method block --recompute-num-layers N)
     Rule("recompute_layers_full", lambda a, p: (a["recompute_layers"] == 0) | (a["recompute"] == int(Recompute.FULL)),
-         lambda a, p: f"recompute_layers={_v(a,'recompute_layers')} needs recompute=full"),
+         lambda a, p: f"recompute_layers={_v(a,'recompute_layers')} needs recompute=full",
+         only_if_set=('recompute_layers',)),
     Rule("recompute_layers_chunk", lambda a, p: a["recompute_layers"] < _max_chunk(a, p),
          lambda a, p: f"recompute_layers={_v(a,'recompute_layers')} is not below the "
                       f"{_v({'n': _max_chunk(a, p)}, 'n')} layers of the largest pipeline chunk: use 0 "
-                      f"(recompute every layer)"),
+                      f"(recompute every layer)",
+         only_if_set=('recompute_layers',)),
 )
 
 
@@ -286,7 +295,9 @@ def enumerate_legal(problem: Problem, fixed: dict | None = None,
     mesh_ok, mesh_counts = check_rows(outer, problem, RULES[:len(MESH_RULES)], n_inner)
     stats.illegal.update(mesh_counts)
     keep = {k: v[mesh_ok] for k, v in outer.items()}
-    inner_rules = RULES[len(MESH_RULES):]
+    # rules that cannot fail while the knobs they guard are pinned to 0 are skipped
+    inner_rules = tuple(r for r in RULES[len(MESH_RULES):]
+                        if not r.only_if_set or any(dom[k] != (0,) for k in r.only_if_set))
 
     def stream() -> Iterator[PlanBatch]:
         n_keep = len(keep["tp"])
