@@ -24,7 +24,7 @@ from costmodels import model as cm
 from costmodels.params import EfficiencyParams
 from costmodels.plan import OPTIONAL_FIELDS, PLAN_FIELDS, Plan, PlanBatch
 from costmodels.specs import Recompute, SpecError
-from search_spaces.space import KNOBS, Problem, check_plan
+from search_spaces.space import KNOBS, Problem, check_plan, legal_values_of
 
 from .report import TIME_LABELS
 from .scoring import TIME_KEYS, Inputs, plan_report, score_full
@@ -137,8 +137,9 @@ def neighbour_plans(plan: Plan, problem: Problem) -> list[tuple[str, Plan]]:
             dom = sorted(set(dom) | {cur})
         optional = knob in OPTIONAL_FIELDS
         if optional:            # only legal values, 0 last: adjacency among what a user could pick
-            dom = sorted((v for v in dom if v == cur or _legal(plan, knob, v, problem)),
-                         key=lambda v: (v == 0, v))
+            current = {f: int(getattr(plan, f)) for f in PLAN_FIELDS}
+            legal = set(legal_values_of(knob, current, problem, dom).tolist()) | {cur}
+            dom = sorted(legal, key=lambda v: (v == 0, v))
         i = dom.index(cur)
         for j in (i - 1, i + 1):
             if not 0 <= j < len(dom):
@@ -157,14 +158,6 @@ def neighbour_plans(plan: Plan, problem: Problem) -> list[tuple[str, Plan]]:
                 continue
             out.append((knob, cand))
     return out
-
-
-def _legal(plan: Plan, knob: str, value: int, problem: Problem) -> bool:
-    try:
-        check_plan(Plan(**{**{f: getattr(plan, f) for f in PLAN_FIELDS}, knob: value}), problem)
-        return True
-    except (SpecError, ValueError):
-        return False
 
 
 def _neighbours(plan: Plan, base_step: float, inp: Inputs, params: EfficiencyParams) -> list[dict]:

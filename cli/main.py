@@ -10,6 +10,7 @@ Exit codes (the contract of issue 2):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -146,22 +147,10 @@ def _print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-class _Spinner:
+def _spinner(message: str, enabled: bool):
     """A status spinner on stderr, only when stderr is a terminal (never in --json mode)."""
-
-    def __init__(self, message: str, enabled: bool):
-        err = Console(stderr=True)
-        self._status = err.status(message) if enabled and err.is_terminal else None
-
-    def __enter__(self):
-        if self._status is not None:
-            self._status.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._status is not None:
-            self._status.__exit__(*exc)
-        return False
+    err = Console(stderr=True)
+    return err.status(message) if enabled and err.is_terminal else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +294,7 @@ def search(
                        inter_node_bw, cluster)
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
-        with _Spinner("Scoring every legal plan...", enabled=not as_json):
+        with _spinner("Scoring every legal plan...", enabled=not as_json):
             result = api.search(problem, strategy="exhaustive", top_k=top, memory_limit_gb=memory_limit_gb,
                                 params=params)
     except NothingFits as exc:
@@ -316,7 +305,7 @@ def search(
     report = search_report(result, params_source)
     report["strategy_choice"] = {"requested": strategy, **choice.as_dict()}
     if with_sensitivity:
-        with _Spinner("Differentiating the best plan...", enabled=not as_json):
+        with _spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
     saved = None
     if not no_save:
@@ -402,7 +391,7 @@ def validate(
     bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
     if bad is not None:
         raise SpecError("FILE", f"{file}: run {bad} is not a JSON object (got {type(rows[bad]).__name__})")
-    with _Spinner(f"Predicting {len(rows)} runs...", enabled=not as_json):
+    with _spinner(f"Predicting {len(rows)} runs...", enabled=not as_json):
         summary = validate_rows(rows, params, only_usable=not all_rows)
     if as_json:
         _print_json(summary)

@@ -9,6 +9,7 @@ prints what was found and exits 130. A storage URL's password is never printed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -108,15 +109,14 @@ class _ProgressBar:
                                 TimeElapsedColumn(), console=err, transient=True)
             self.task = self.bar.add_task(label, total=total)
             self.label = label
+        self._cm = self.bar if self.bar is not None else contextlib.nullcontext()
 
     def __enter__(self):
-        if self.bar is not None:
-            self.bar.__enter__()
+        self._cm.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
+        self._cm.__exit__(*exc)
         return False
 
     def __call__(self, done: int, stats, best: dict | None):

@@ -24,6 +24,7 @@ multiple of the node size, or a divisor of it below one node); "256-2048:64" tak
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import OrderedDict
@@ -39,7 +40,7 @@ from optuna.trial import FrozenTrial
 from costmodels.plan import PLAN_FIELDS, PlanBatch
 from costmodels.specs import SpecError
 
-from .space import KNOBS, OPTUNA_ONLY_KNOBS, RULES, Problem, SpaceStats, check_rows, domains, enumerate_legal
+from .space import KNOBS, OPTUNA_ONLY_KNOBS, Problem, SpaceStats, domains, enumerate_legal, legal_values_of
 
 #: The parameter name of the GPU count when it is a knob.
 GPUS = "gpus"
@@ -338,13 +339,10 @@ class PlanSpace:
         if hi <= lo:
             out = np.empty(0, dtype=np.int64)
         else:
-            dom = np.asarray(self._domain_values(name), dtype=np.int64)
-            arrays = {kn: np.full(len(dom), int(v), dtype=np.int64) for kn, v in zip(SAMPLED, prefix)}
-            arrays.update({kn: np.zeros(len(dom), dtype=np.int64) for kn in SAMPLED[len(prefix):]})
-            arrays[name] = dom
-            arrays["dp"] = n // (arrays["tp"] * arrays["cp"] * arrays["pp"])
-            legal, _ = check_rows(arrays, self.problem(n), RULES)
-            out = dom[legal]
+            plan = dict(zip(SAMPLED, prefix))
+            plan.update({kn: 0 for kn in SAMPLED[len(prefix):]})
+            plan["dp"] = n // (plan["tp"] * plan["cp"] * plan["pp"])
+            out = legal_values_of(name, plan, self.problem(n), self._domain_values(name))
         self._extra_cache[key] = out
         while len(self._extra_cache) > 65536:
             self._extra_cache.popitem(last=False)
@@ -584,6 +582,8 @@ class LegalSampler(BaseSampler):
         if surrogate_model not in ("linear", "gp"):
             raise ValueError(f"surrogate_model must be 'linear' or 'gp', got {surrogate_model!r}")
         self.surrogate_model = surrogate_model
+        self._model = (_local_gp if surrogate_model == "gp"
+                       else functools.partial(_local_surrogate, tau=self.surrogate_tau))
         self._proposals: dict = {}
         self._origin: dict = {}         # plan (tuple) -> the incumbent it is a local move from
         self._snapshot: tuple = (None, [])
@@ -730,20 +730,16 @@ class LegalSampler(BaseSampler):
 
     def _surrogate_scores(self, trials: list, names: tuple, sign: float, best: dict,
                           options: list) -> np.ndarray | None:
-        """`_local_surrogate` for (distance, plan, incumbent) options: one model centred on each
+        """The local model (`_local_gp` or `_local_surrogate`) for (distance, plan, incumbent) options: one model centred on each
         incumbent for the moves from it (or one centred on the best plan for all)."""
         if not self.surrogate_per_incumbent:
-            model = _local_gp if self.surrogate_model == "gp" else _local_surrogate
-            return model(self.space, trials, names, sign, best, [c for _, c, _ in options],
-                                    self.surrogate_tau)
+            return self._model(self.space, trials, names, sign, best, [c for _, c, _ in options])
         scores = np.zeros(len(options))
         groups: dict = {}
         for i, (_, _, inc) in enumerate(options):
             groups.setdefault(tuple(inc[k] for k in names), []).append(i)
         for ids in groups.values():
-            model = _local_gp if self.surrogate_model == "gp" else _local_surrogate
-            got = model(self.space, trials, names, sign, options[ids[0]][2],
-                                   [options[i][1] for i in ids], self.surrogate_tau)
+            got = self._model(self.space, trials, names, sign, options[ids[0]][2], [options[i][1] for i in ids])
             if got is None:
                 return None
             scores[ids] = got
@@ -777,15 +773,9 @@ def _norm_pdf(z: np.ndarray) -> np.ndarray:
     return np.exp(-0.5 * np.asarray(z, dtype=np.float64) ** 2) / math.sqrt(2.0 * math.pi)
 
 
-def _local_surrogate(space: "PlanSpace", trials: list, names: tuple, sign: float, center: dict,
-                     candidates: list, tau: float = 2.0, alpha: float = 1.0) -> np.ndarray | None:
-    """Expected improvement x probability of fitting memory, for candidate plans near `center`.
-
-    Two Bayesian linear models over one-hot knob values (one for the objective in log space, one
-    for log(memory / limit)), fitted on the study's complete trials weighted by exp(-k / tau) where
-    k is how many knobs differ from `center`: a local additive model, so a two-knob move is
-    predicted from the one-knob moves seen around the incumbent (tp down costs memory, mbs down
-    gives it back). Only told values are used. None when there is too little data."""
+def _told(trials: list, names: tuple, sign: float) -> tuple | None:
+    """(plans as int rows, objective to minimize, log memory over limit or nan) of the complete
+    trials, or None when fewer than 4."""
     from optuna.trial import TrialState
     rows, ys, ms = [], [], []
     for t in trials:
@@ -799,6 +789,40 @@ def _local_surrogate(space: "PlanSpace", trials: list, names: tuple, sign: float
         ms.append(np.nan if got[1] is None else got[1])
     if len(rows) < 4:
         return None
+    return np.asarray(rows, dtype=np.int64), np.asarray(ys), np.asarray(ms)
+
+
+def _ei_times_fit(fit, y: np.ndarray, mem: np.ndarray) -> np.ndarray | None:
+    """Expected improvement over the best feasible told value times the probability that memory
+    fits, from `fit(targets, mask) -> (mean, sd)` at the candidates (None: too little data)."""
+    got = fit(y, np.ones(len(y), bool))
+    if got is None:
+        return None
+    mean, sd = got
+    feasible = np.nan_to_num(mem, nan=0.0) <= 0
+    best = float(y[feasible].min()) if feasible.any() else float(y.min())
+    z = (best - mean) / sd
+    ei = sd * _norm_pdf(z) + (best - mean) * _norm_cdf(z)
+    mem_fit = fit(np.nan_to_num(mem), ~np.isnan(mem))
+    if mem_fit is not None:
+        mm, msd = mem_fit
+        ei = ei * _norm_cdf(-mm / msd)
+    return np.asarray(ei)
+
+
+def _local_surrogate(space: "PlanSpace", trials: list, names: tuple, sign: float, center: dict,
+                     candidates: list, tau: float = 2.0, alpha: float = 1.0) -> np.ndarray | None:
+    """Expected improvement x probability of fitting memory, for candidate plans near `center`.
+
+    Two Bayesian linear models over one-hot knob values (one for the objective in log space, one
+    for log(memory / limit)), fitted on the study's complete trials weighted by exp(-k / tau) where
+    k is how many knobs differ from `center`: a local additive model, so a two-knob move is
+    predicted from the one-knob moves seen around the incumbent (tp down costs memory, mbs down
+    gives it back). Only told values are used. None when there is too little data."""
+    told = _told(trials, names, sign)
+    if told is None:
+        return None
+    R, y, mem = told
     doms = [space._domain_values(k) for k in names]
     offs = np.cumsum([0] + [len(d) for d in doms])
 
@@ -808,7 +832,6 @@ def _local_surrogate(space: "PlanSpace", trials: list, names: tuple, sign: float
             X[np.arange(len(R)), offs[j] + np.clip(np.searchsorted(d, R[:, j]), 0, len(d) - 1)] = 1.0
         return X
 
-    R = np.asarray(rows, dtype=np.int64)
     c = np.array([int(center[k]) for k in names])
     w = np.exp(-(R != c).sum(1) / tau)
     X = encode(R)
@@ -829,21 +852,7 @@ def _local_surrogate(space: "PlanSpace", trials: list, names: tuple, sign: float
         var = s2 * np.einsum("ij,jk,ik->i", Xc, Ainv, Xc) + 1e-9
         return mean, np.sqrt(var)
 
-    y = np.asarray(ys)
-    got = fit(y, np.ones(len(y), bool))
-    if got is None:
-        return None
-    mean, sd = got
-    mem = np.asarray(ms)
-    feasible = np.nan_to_num(mem, nan=0.0) <= 0
-    best = float(y[feasible].min()) if feasible.any() else float(y.min())
-    z = (best - mean) / sd
-    ei = sd * _norm_pdf(z) + (best - mean) * _norm_cdf(z)
-    mem_fit = fit(np.nan_to_num(mem), ~np.isnan(mem))
-    if mem_fit is not None:
-        mm, msd = mem_fit
-        ei = ei * _norm_cdf(-mm / msd)
-    return np.asarray(ei)
+    return _ei_times_fit(fit, y, mem)
 
 
 def _tpe_acquisition(base, study, number: int, space: dict, candidates: list) -> np.ndarray | None:
@@ -913,32 +922,22 @@ class LegalGridSampler(BaseSampler):
         return self.space.project(param_name, param_distribution.low, trial.params)
 
 
-
 def _local_gp(space: "PlanSpace", trials: list, names: tuple, sign: float, center: dict,
-              candidates: list, tau: float = 2.0, length: float = 1.5, noise: float = 0.05,
+              candidates: list, length: float = 1.5, noise: float = 0.05,
               max_points: int = 256) -> np.ndarray | None:
     """Like `_local_surrogate`, with Gaussian processes instead of additive models, so that knob
     interactions (pp4 good with ep1, bad with ep2) are seen: kernel exp(-d/length) where d sums, over
     the knobs, min(domain steps apart, 2)/2; fitted on the `max_points` told trials nearest `center`."""
-    from optuna.trial import TrialState
-    rows, ys, ms = [], [], []
-    for t in trials:
-        if t.state != TrialState.COMPLETE or not t.values or not set(names) <= set(t.params):
-            continue
-        got = _trial_targets(t, sign)
-        if got is None:
-            continue
-        rows.append([int(t.params[k]) for k in names])
-        ys.append(got[0])
-        ms.append(np.nan if got[1] is None else got[1])
-    if len(rows) < 4:
+    told = _told(trials, names, sign)
+    if told is None:
         return None
+    R, y, mem = told
     doms = [space._domain_values(k) for k in names]
 
     def index(R: np.ndarray) -> np.ndarray:
         return np.stack([np.searchsorted(d, R[:, j]) for j, d in enumerate(doms)], axis=1).astype(np.float64)
 
-    R = index(np.asarray(rows, dtype=np.int64))
+    R = index(R)
     c = index(np.array([[int(center[k]) for k in names]]))[0]
     C = index(np.asarray([[int(p[k]) for k in names] for p in candidates], dtype=np.int64))
 
@@ -946,7 +945,7 @@ def _local_gp(space: "PlanSpace", trials: list, names: tuple, sign: float, cente
         return np.minimum(np.abs(A[:, None, :] - B[None, :, :]), 2.0).sum(-1) / 2.0
 
     near = np.argsort(dist(R, c[None, :])[:, 0], kind="stable")[:max_points]
-    R, y_all, m_all = R[near], np.asarray(ys)[near], np.asarray(ms)[near]
+    R, y, mem = R[near], y[near], mem[near]
 
     def fit(y: np.ndarray, mask: np.ndarray):
         if mask.sum() < 4:
@@ -962,16 +961,4 @@ def _local_gp(space: "PlanSpace", trials: list, names: tuple, sign: float, cente
         var = np.maximum(1.0 - (v * v).sum(0), 1e-9)
         return mean, sd * np.sqrt(var)
 
-    got = fit(y_all, np.ones(len(y_all), bool))
-    if got is None:
-        return None
-    mean, sdv = got
-    feasible = np.nan_to_num(m_all, nan=0.0) <= 0
-    best = float(y_all[feasible].min()) if feasible.any() else float(y_all.min())
-    z = (best - mean) / sdv
-    ei = sdv * _norm_pdf(z) + (best - mean) * _norm_cdf(z)
-    mem_fit = fit(np.nan_to_num(m_all), ~np.isnan(m_all))
-    if mem_fit is not None:
-        mm, msd = mem_fit
-        ei = ei * _norm_cdf(-mm / msd)
-    return np.asarray(ei)
+    return _ei_times_fit(fit, y, mem)

@@ -221,6 +221,16 @@ def check_plan(plan: Plan, problem: Problem) -> None:
             raise SpecError(f"plan ({rule.name})", rule.explain(arrays, problem))
 
 
+def legal_values_of(knob: str, plan: dict, problem: Problem, values) -> np.ndarray:
+    """The `values` of `knob` that keep `plan` (every PLAN_FIELDS entry, as ints) legal: all rules
+    checked on the candidates at once."""
+    vals = np.asarray(values, dtype=np.int64)
+    arrays = {f: np.full(len(vals), int(plan[f]), dtype=np.int64) for f in PLAN_FIELDS}
+    arrays[knob] = vals
+    legal, _ = check_rows(arrays, problem)
+    return vals[legal]
+
+
 def complete_plan(values: dict, problem: Problem) -> Plan:
     """A Plan from user-given knobs; dp is derived from the GPU count when omitted."""
     v = dict(values)
