@@ -17,7 +17,7 @@ import numpy as np
 from costmodels import model as cm
 from costmodels.encode import encode_cluster, encode_job, encode_model, stack_inputs
 from costmodels.params import PARAM_BOUNDS, EfficiencyParams
-from costmodels.plan import PLAN_FIELDS
+from costmodels.plan import PLAN_FIELDS, Plan
 from costmodels.specs import SpecError
 
 from .search import NoLegalPlan, NothingFits, exhaustive
@@ -75,9 +75,7 @@ def build_cases(rows: list, params: EfficiencyParams, only_usable: bool = True) 
             best = exc.closest
         except NoLegalPlan:
             continue
-        plan = {k: best["plan"][k] for k in PLAN_FIELDS}
-        plan["recompute"] = {"none": 0, "selective": 1, "full": 2}[plan["recompute"]]
-        plan["sp"] = int(plan["sp"])
+        plan = Plan.from_dict(best["plan"]).row()
         inp_job = encode_job(case.problem.job, case.problem.cluster)
         cases.append(FitCase(id=case.id, group=(row.get("source") or {}).get("group") or "?", plan=plan,
                              model=encode_model(case.problem.model), hw=encode_cluster(case.problem.cluster),

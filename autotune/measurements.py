@@ -24,7 +24,7 @@ import statistics
 
 from costmodels.encode import encode_cluster, encode_job, encode_model
 from costmodels.params import EfficiencyParams, params_from_dict, params_to_dict
-from costmodels.plan import PLAN_FIELDS, Plan
+from costmodels.plan import Plan
 from costmodels.specs import SpecError
 from search_spaces.space import Problem
 
@@ -124,8 +124,7 @@ def log_summary(parsed: dict) -> dict:
 
 
 def case_from_log(problem: Problem, plan: Plan, step_time_s: float, name: str = "megatron-log") -> FitCase:
-    p = {f: int(getattr(plan, f)) for f in PLAN_FIELDS}
-    return FitCase(id=name, group=name, plan=p, model=encode_model(problem.model),
+    return FitCase(id=name, group=name, plan=plan.row(), model=encode_model(problem.model),
                    hw=encode_cluster(problem.cluster), job=encode_job(problem.job, problem.cluster),
                    measured_step_s=float(step_time_s))
 

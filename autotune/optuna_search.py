@@ -41,7 +41,7 @@ import optuna
 from optuna.trial import TrialState
 
 from costmodels.params import EfficiencyParams
-from costmodels.plan import PLAN_FIELDS, PlanBatch
+from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
 from costmodels.specs import Recompute, SpecError
 from search_spaces.optuna_space import (
     GPUS, GpuRange, IllegalParams, LegalGridSampler, LegalSampler, PlanSpace, parse_gpus,
@@ -356,18 +356,12 @@ class BatchScorer:
 
 
 def _plan_int(plan: dict, f: str) -> int:
-    v = plan[f]
-    if f == "recompute" and isinstance(v, str):
-        return int(Recompute.parse(v))
-    return int(v)
+    return Plan.from_dict(plan).row()[f]
 
 
 def plan_dict(plan: dict) -> dict:
-    """A plan of ints as the report shows it (recompute by name, sp as a bool)."""
-    d = {f: int(plan[f]) for f in PLAN_FIELDS}
-    d["recompute"] = Recompute(d["recompute"]).name.lower()
-    d["sp"] = bool(d["sp"])
-    return d
+    """A plan of ints as the report shows it (recompute by name, modules as a list, booleans)."""
+    return Plan.from_dict(plan).as_dict()
 
 
 def _metrics(n: int, step: float, mem_bytes: float, limit_bytes: float, tokens: int) -> dict:
@@ -663,7 +657,7 @@ def _feasible(trials) -> list:
 
 
 def _key(t) -> tuple:
-    return (metrics(t).get("gpus"),) + tuple(sorted(t.user_attrs["plan"].items()))
+    return (metrics(t).get("gpus"),) + tuple(sorted((k, str(v)) for k, v in t.user_attrs["plan"].items()))
 
 
 def best_trials(study: optuna.Study, objectives, k: int = 10) -> list:

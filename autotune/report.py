@@ -6,7 +6,7 @@ import json
 import os
 import re
 
-from costmodels.plan import OPTIONAL_FIELDS
+from costmodels.plan import Plan, format_plan
 from costmodels.specs import spec_dict
 from search_spaces.space import Problem
 
@@ -28,9 +28,7 @@ def problem_dict(problem: Problem) -> dict:
 
 def plan_text(plan: dict) -> str:
     """The --plan text of a plan (the Optuna-only knobs left out when 0, i.e. unused)."""
-    sp = "true" if plan["sp"] else "false"
-    return ",".join(f"{k}={sp if k == 'sp' else v}" for k, v in plan.items()
-                    if k not in OPTIONAL_FIELDS or v)
+    return format_plan(Plan.from_dict(plan))
 
 
 def extras_text(plan: dict) -> str:
@@ -171,13 +169,11 @@ def add_sensitivity(report: dict, problem: Problem, params, memory_limit_gb: flo
     """Add the best plan's elasticities (jax.jacfwd through the cost model) and their sentences to a
     search report, as the "sensitivity" key and a Markdown section."""
     from costmodels.plan import Plan
-    from costmodels.specs import Recompute
 
     from .sensitivity import sensitivity
 
-    d = dict(report["best"]["plan"])
-    d["recompute"] = Recompute.parse(d["recompute"])
-    sens = sensitivity(problem, Plan(**d), params, memory_limit_gb=memory_limit_gb, neighbours=False)
+    sens = sensitivity(problem, Plan.from_dict(report["best"]["plan"]), params, memory_limit_gb=memory_limit_gb,
+                       neighbours=False)
     report["sensitivity"] = {"elasticities": sens["elasticities"], "sentences": sens["sentences"]}
     md = "What limits the best plan, and what would help (elasticities from jax.jacfwd):\n\n" + \
         "\n".join(f"- {s}" for s in sens["sentences"])

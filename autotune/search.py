@@ -49,8 +49,10 @@ class _TopK:
         self.k = k
         self.keys = np.empty(0, dtype=np.float64)
         self.rows = {f: np.empty(0, dtype=np.int32) for f in PLAN_FIELDS}
+        self.layouts: tuple = ()              # every batch of one search shares its layout table
 
     def add(self, keys: np.ndarray, batch: PlanBatch, mask: np.ndarray) -> None:
+        self.layouts = self.layouts or batch.layouts
         if not mask.any():
             return
         idx = np.flatnonzero(mask)
@@ -66,7 +68,7 @@ class _TopK:
 
     def batch(self) -> PlanBatch:
         order = np.argsort(self.keys, kind="stable")
-        return PlanBatch({f: v[order] for f, v in self.rows.items()})
+        return PlanBatch({f: v[order] for f, v in self.rows.items()}, self.layouts)
 
 
 def _closest_message(rep: dict, limit_gb: float) -> str:

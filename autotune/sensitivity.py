@@ -22,7 +22,7 @@ import numpy as np
 
 from costmodels import model as cm
 from costmodels.params import EfficiencyParams
-from costmodels.plan import OPTIONAL_FIELDS, PLAN_FIELDS, Plan, PlanBatch
+from costmodels.plan import DEFAULT_RECOMPUTE_MODULES, OPTIONAL_FIELDS, PLAN_FIELDS, Plan, PlanBatch, modules_mask
 from costmodels.specs import Recompute, SpecError
 from search_spaces.space import KNOBS, Problem, check_plan, legal_values_of
 
@@ -82,7 +82,7 @@ outputs_jit = jax.jit(lambda u, plan, model, hw, job, params: _outputs(u, plan, 
 
 
 def plan_arrays(plan: Plan) -> dict:
-    return {f: np.array([int(getattr(plan, f))], dtype=np.int32) for f in PLAN_FIELDS}
+    return PlanBatch.from_plans([plan]).arrays
 
 
 def _params_f32(params: EfficiencyParams) -> EfficiencyParams:
@@ -105,20 +105,9 @@ def _input_label(name: str, params: EfficiencyParams) -> str:
     return f"{name} (now {getattr(params, name):.4g})"
 
 
-def _knob_value(knob: str, v: int):
-    if knob == "recompute":
-        return Recompute(v)
-    if knob == "sp":
-        return bool(v)
-    return int(v)
-
-
-def _fmt_knob(knob: str, v) -> str:
-    if knob == "recompute":
-        return Recompute(int(v)).name.lower()
-    if knob == "sp":
-        return "on" if v else "off"
-    return str(int(v))
+def _fmt_knob(knob: str, plan: Plan) -> str:
+    """A knob's value as the plan tables show it (the knob's own formatter)."""
+    return KNOBS[knob].fmt(plan.row()[knob])
 
 
 def neighbour_plans(plan: Plan, problem: Problem) -> list[tuple[str, Plan]]:
@@ -128,31 +117,32 @@ def neighbour_plans(plan: Plan, problem: Problem) -> list[tuple[str, Plan]]:
     ranked above all others (first_layers 0 -> one chunk fewer than the even split)."""
     out = []
     n = problem.cluster.num_gpus
-    for knob in PLAN_FIELDS:
-        if knob == "dp":
+    row = plan.row()
+    for knob in KNOBS:
+        if knob == "dp" or (plan.layout and knob in ("pp", "vpp", "first_layers", "last_layers")):
             continue
         dom = sorted(int(x) for x in KNOBS[knob].domain(problem))
-        cur = int(getattr(plan, knob))
+        cur = row[knob]
         if cur not in dom:
             dom = sorted(set(dom) | {cur})
         optional = knob in OPTIONAL_FIELDS
         if optional:            # only legal values, 0 last: adjacency among what a user could pick
-            current = {f: int(getattr(plan, f)) for f in PLAN_FIELDS}
-            legal = set(legal_values_of(knob, current, problem, dom).tolist()) | {cur}
+            legal = set(legal_values_of(knob, row, problem, dom).tolist()) | {cur}
             dom = sorted(legal, key=lambda v: (v == 0, v))
         i = dom.index(cur)
         for j in (i - 1, i + 1):
             if not 0 <= j < len(dom):
                 continue
-            vals = {f: getattr(plan, f) for f in PLAN_FIELDS}
-            vals[knob] = _knob_value(knob, dom[j])
+            vals = dict(row, **{knob: dom[j]})
+            if knob == "recompute":    # modules go with selective recompute (Megatron's default set)
+                vals["recompute_modules"] = modules_mask(DEFAULT_RECOMPUTE_MODULES) if dom[j] == int(Recompute.SELECTIVE) else 0
             if knob in ("tp", "cp", "pp"):
                 denom = vals["tp"] * vals["cp"] * vals["pp"]
                 if n % denom:
                     continue
                 vals["dp"] = n // denom
             try:
-                cand = Plan(**vals)
+                cand = Plan.from_row(vals, (plan.layout,) if plan.layout else ())
                 check_plan(cand, problem)
             except (SpecError, ValueError):
                 continue
@@ -169,8 +159,8 @@ def _neighbours(plan: Plan, base_step: float, inp: Inputs, params: EfficiencyPar
     rows = []
     for i, (knob, p) in enumerate(cands):
         rep = plan_report(p, out, i, inp)
-        rows.append({"knob": knob, "from": _fmt_knob(knob, getattr(plan, knob)),
-                     "to": _fmt_knob(knob, getattr(p, knob)), "plan": rep["plan"],
+        rows.append({"knob": knob, "from": _fmt_knob(knob, plan),
+                     "to": _fmt_knob(knob, p), "plan": rep["plan"],
                      "step_time_s": rep["step_time_s"], "fits": rep["fits"],
                      "memory_gb": rep["memory_gb"]["total"],
                      "step_time_change_pct": (rep["step_time_s"] / base_step - 1.0) * 100.0})

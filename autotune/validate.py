@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from costmodels.params import EfficiencyParams
+from costmodels.plan import balanced_layout
 from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
-from costmodels.specs import JobSpec, ModelSpec, Precision, Recompute, SpecError
+from costmodels.specs import (AttentionBackend, Framework, FrameworkSpec, JobSpec, ModelSpec, Precision,
+                              Recompute, SpecError)
 from search_spaces.space import Problem
 
 from .files import read_json
@@ -117,6 +119,25 @@ def framework_is_modern(row: dict) -> bool:
     return not (years and max(years) < 2022)
 
 
+def _split_layout(model: ModelSpec, fixed: dict) -> str | None:
+    """The pipeline split a published pp (and vpp) ran with when Megatron-Core's even split cannot
+    express it (with or without counting the embedding and loss as layers): the balanced layout
+    Megatron-Bridge builds (`balanced_layout`, e.g. DeepSeek-V3's 61 layers on pp=16)."""
+    pp = fixed.get("pp", 1)
+    if pp < 2:
+        return None
+    vpps = [fixed["vpp"]] if "vpp" in fixed else [1]
+    for vpp in vpps:
+        for extra in (0, 1, 2):
+            units = model.num_layers + extra
+            if units % pp == 0 and (units // pp) % vpp == 0 and units // pp >= vpp:
+                return None
+    try:
+        return balanced_layout(model.num_layers, pp, vpps[0])
+    except SpecError:
+        return None
+
+
 _LORA = re.compile(r"\blora\b", re.IGNORECASE)
 
 
@@ -142,8 +163,12 @@ def case_from_row(row: dict) -> RowCase:
     cluster = build_cluster(gpu=gpu_key, num_gpus=int(n),
                             gpus_per_node=int(hw["gpus_per_node"]) if hw.get("gpus_per_node") else None)
     modern = framework_is_modern(row)
+    framework = FrameworkSpec(
+        framework=Framework.DEEPSPEED if plan.get("zero_key") == 2 else Framework.MEGATRON,
+        attention_backend=AttentionBackend.FLASH if modern else AttentionBackend.UNFUSED,
+        tp_comm_overlap=modern)
     job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision,
-                  flash_attention=modern, tp_comm_overlap=modern)
+                  framework=framework)
     fixed, filled = {}, []
     for knob, key in _KNOWN_PLAN.items():
         val = plan.get(key)
@@ -177,6 +202,10 @@ def case_from_row(row: dict) -> RowCase:
         fixed["etp"] = 1
     else:
         filled.append("etp")
+    layout = _split_layout(model, fixed)
+    if layout:
+        fixed["layout"] = layout
+        filled.append("layout")
     measured = (row.get("measured") or {}).get("tokens_per_s_per_gpu")
     return RowCase(id=row.get("id", "?"), problem=Problem(model, cluster, job), fixed=fixed,
                    filled=filled, measured_tokens_per_s_per_gpu=measured)

@@ -119,14 +119,16 @@ def _root(
 
 from cli.options import (  # noqa: E402  (shared flags)
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
+    FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt,
+    framework_options,
 )
 
 
 def _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
-             inter_node_bw, cluster):
+             inter_node_bw, cluster, framework=None):
     return api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                              precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
-                             inter_node_bw=inter_node_bw, cluster_file=cluster)
+                             inter_node_bw=inter_node_bw, cluster_file=cluster, framework=framework)
 
 
 def _check_memory_limit(memory_limit_gb: Optional[float]) -> None:
@@ -349,11 +351,19 @@ def predict(
     memory_limit_gb: MemLimitOpt = None,
     as_json: JsonOpt = False,
     calibration: CalibrationOpt = None,
+    framework: FrameworkOpt = None,
+    attention_backend: AttentionBackendOpt = None,
+    tp_comm_overlap: TpCommOverlapOpt = None,
+    grad_reduce_in_bf16: GradReduceBf16Opt = None,
+    fp8_param_gather: Fp8ParamGatherOpt = None,
+    moe_token_dispatcher_type: DispatcherOpt = None,
 ) -> int:
     """Score one plan and print its time and memory breakdown."""
     _check_memory_limit(memory_limit_gb)
     problem = _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
-                       inter_node_bw, cluster)
+                       inter_node_bw, cluster, framework_options(framework, attention_backend, tp_comm_overlap,
+                                                                 grad_reduce_in_bf16, fp8_param_gather,
+                                                                 moe_token_dispatcher_type))
     the_plan = api.plan_from_text(plan, problem)
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     rep = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)

@@ -18,3 +18,19 @@ ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", help="Cluster fi
 MemLimitOpt = Annotated[Optional[float], typer.Option("--memory-limit-gb", help="Usable memory per GPU in GB (default: the GPU's).")]
 CalibrationOpt = Annotated[Optional[str], typer.Option("--calibration", help="Efficiency-parameter file (default: shipped defaults).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout and nothing else.")]
+
+# Megatron-Core options of the job (FrameworkSpec), with Megatron's flag names; None = its default
+FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default) or deepspeed (ZeRO-2 exists only there).")]
+AttentionBackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="flash (default), fused or unfused (s x s scores in memory).")]
+TpCommOverlapOpt = Annotated[Optional[bool], typer.Option("--tp-comm-overlap/--no-tp-comm-overlap", help="Megatron --tp-comm-overlap (TE userbuffers; needs SP). Default off.")]
+GradReduceBf16Opt = Annotated[Optional[bool], typer.Option("--grad-reduce-in-bf16/--grad-reduce-in-fp32", help="Gradient buffers and their reduction in bf16 (Megatron-Bridge recipes) or fp32 (Megatron-LM default).")]
+Fp8ParamGatherOpt = Annotated[Optional[bool], typer.Option("--fp8-param-gather/--no-fp8-param-gather", help="fp8 primary weights and fp8 parameter all-gathers (fp8/fp4 only).")]
+DispatcherOpt = Annotated[Optional[str], typer.Option("--moe-token-dispatcher-type", help="alltoall (default here), allgather or flex (DeepEP/HybridEP).")]
+
+
+def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
+                      moe_token_dispatcher_type) -> dict:
+    """The framework flags as `api.build_problem(framework=...)` takes them."""
+    return {"framework": framework, "attention_backend": attention_backend, "tp_comm_overlap": tp_comm_overlap,
+            "grad_reduce_in_fp32": None if grad_reduce_in_bf16 is None else not grad_reduce_in_bf16,
+            "fp8_param_gather": fp8_param_gather, "moe_token_dispatcher_type": moe_token_dispatcher_type}

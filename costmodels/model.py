@@ -186,7 +186,9 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     full_comm = {"tp": frac_dense * t_tp_dense + frac_moe * t_tp_moe, "cp": t_cp_f, "ep": frac_moe * t_ep_f}
 
     # ---------------- pipeline stages: first, middle, last [Megatron-Core uneven split] ----------
-    n_first, n_mid, n_last = stage_layers(M["layers"], pp, v, P["first_layers"], P["last_layers"], jnp)
+    n_first, n_mid, n_last = stage_layers(M["layers"], pp, v, P["first_layers"], P["last_layers"], jnp,
+                                          acc_embedding=P["account_for_embedding"], acc_loss=P["account_for_loss"],
+                                          layout=P["layout"])
     pp1 = (pp == 1).astype(jnp.float32)
     has_mid = (pp > 2).astype(jnp.float32)
     # block recompute: recompute_layers of each virtual chunk (0 = all of them) [Megatron

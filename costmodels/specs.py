@@ -260,19 +260,106 @@ class ClusterSpec:
         return self.num_gpus // self.num_sites
 
 
+class Framework(enum.Enum):
+    """The training framework a plan is run with (and exported to). Megatron-Core is the reference:
+    its option names and defaults are the fields of `FrameworkSpec`."""
+    MEGATRON = "megatron"       # Megatron-LM / Megatron-Core (and Megatron-Bridge, NeMo 2)
+    DEEPSPEED = "deepspeed"     # Megatron-DeepSpeed: ZeRO stages 1-3 with DeepSpeed's communication
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "framework") -> "Framework":
+        return _parse_enum(cls, text, field_name)
+
+
+class AttentionBackend(enum.Enum):
+    """Megatron-Core --attention-backend: a fused kernel (FlashAttention / cuDNN fused attention)
+    never stores the s x s scores; `unfused` (pre-2022 Megatron-LM, Megatron-DeepSpeed's default)
+    computes them with batched GEMMs and memory-bound softmax kernels [K22 sec. 4.1]."""
+    FLASH = "flash"
+    FUSED = "fused"
+    UNFUSED = "unfused"
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "attention_backend") -> "AttentionBackend":
+        return _parse_enum(cls, text, field_name)
+
+    @property
+    def is_fused(self) -> bool:
+        return self is not AttentionBackend.UNFUSED
+
+
+class DispatcherType(enum.Enum):
+    """Megatron-Core --moe-token-dispatcher-type: how MoE tokens reach their experts."""
+    ALLTOALL = "alltoall"
+    ALLGATHER = "allgather"
+    FLEX = "flex"               # DeepEP / HybridEP kernels
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "moe_token_dispatcher_type") -> "DispatcherType":
+        return _parse_enum(cls, text, field_name)
+
+
+def _parse_enum(cls, text, field_name: str):
+    t = str(text).strip().lower().replace("_", "-")
+    for member in cls:
+        if member.value == t or member.value == t.replace("-", "_"):
+            return member
+    raise SpecError(field_name, f"unknown value {text!r}; choose one of {', '.join(m.value for m in cls)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameworkSpec:
+    """How the framework runs the job: Megatron-Core's options, with its names and its defaults
+    (megatron/training/arguments.py, core/transformer/transformer_config.py,
+    core/distributed/distributed_data_parallel_config.py). These are configuration, not fitted
+    efficiencies: calibration never moves them.
+
+    grad_reduce_in_fp32: Megatron-LM keeps fp32 main gradients and all-reduces them in fp32 for
+    bf16 training unless --grad-reduce-in-bf16 (arguments.py: accumulate_allreduce_grads_in_fp32);
+    Megatron-Bridge / NeMo performance recipes set grad_reduce_in_fp32=False.
+    """
+    framework: Framework = Framework.MEGATRON
+    attention_backend: AttentionBackend = AttentionBackend.FLASH   # --attention-backend
+    tp_comm_overlap: bool = False         # --tp-comm-overlap (TE userbuffers; needs SP); off by default
+    grad_reduce_in_fp32: bool = True      # off: --grad-reduce-in-bf16
+    fp8_param_gather: bool = False        # --fp8-param-gather: fp8 primary weights, fp8 all-gathers
+    overlap_grad_reduce: bool = True      # --overlap-grad-reduce (recipes' setting; Megatron default off)
+    overlap_param_gather: bool = True     # --overlap-param-gather (distributed optimizer)
+    moe_token_dispatcher_type: DispatcherType = DispatcherType.ALLTOALL   # --moe-token-dispatcher-type
+
+    def __post_init__(self):
+        for f in ("tp_comm_overlap", "grad_reduce_in_fp32", "fp8_param_gather", "overlap_grad_reduce",
+                  "overlap_param_gather"):
+            if not isinstance(getattr(self, f), bool):
+                raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
+
+    @property
+    def grad_bytes_per_param(self) -> float:
+        """Main-gradient buffer bytes per parameter (also the bytes the DP reduction moves)."""
+        return 4.0 if self.grad_reduce_in_fp32 else 2.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
-    """The training job: what one optimizer step processes."""
+    """The training job: what one optimizer step processes, and how the framework runs it."""
     global_batch: int                    # sequences per optimizer step
     seq_len: int                         # tokens per sequence
     precision: Precision = Precision.BF16
-    flash_attention: bool = True         # fused (FlashAttention) vs unfused softmax attention
-    tp_comm_overlap: bool = True         # TE userbuffers: TP all-gather/reduce-scatter overlapped with
-                                         # GEMM chunks (Megatron-Core --tp-comm-overlap; needs SP)
+    framework: FrameworkSpec = FrameworkSpec()
 
     def __post_init__(self):
         _positive("global_batch", self.global_batch)
         _positive("seq_len", self.seq_len)
+        if self.framework.fp8_param_gather and self.precision not in (Precision.FP8, Precision.FP4):
+            raise SpecError("fp8_param_gather", f"needs fp8 (or fp4) training, got precision={self.precision.value}")
+
+    @property
+    def flash_attention(self) -> bool:
+        return self.framework.attention_backend.is_fused
+
+    @property
+    def tp_comm_overlap(self) -> bool:
+        return self.framework.tp_comm_overlap
 
     @property
     def tokens_per_step(self) -> int:

@@ -174,7 +174,7 @@ class _Table:
         arrays = {k: self.rows[:, i].astype(np.int32) for i, k in enumerate(TABLE_KNOBS)}
         arrays.update({k: np.full(len(self.rows), int(v), dtype=np.int32) for k, v in extras.items()})
         arrays["dp"] = (gpus // (arrays["tp"] * arrays["cp"] * arrays["pp"])).astype(np.int32)
-        return PlanBatch({f: arrays[f] for f in PLAN_FIELDS})
+        return PlanBatch({f: arrays[f] if f in arrays else np.zeros(len(arrays["tp"]), dtype=np.int32) for f in PLAN_FIELDS})
 
 
 def _nearest(values: np.ndarray, x: float, log: bool) -> int:
@@ -392,7 +392,7 @@ class PlanSpace:
         n = int(params[GPUS]) if self.is_range else self.counts[0]
         plan = {k: int(params[k]) if k in params else int(self.constants.get(k, 0)) for k in SAMPLED}
         plan["dp"] = n // (plan["tp"] * plan["cp"] * plan["pp"])
-        return n, {f: plan[f] for f in PLAN_FIELDS}
+        return n, {f: plan.get(f, 0) for f in PLAN_FIELDS}
 
     def params_of(self, n: int, plan: dict) -> dict:
         """Trial parameters of a plan (the inverse of `plan_from_params`)."""

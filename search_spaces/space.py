@@ -14,8 +14,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, stage_layers
-from costmodels.specs import ClusterSpec, JobSpec, ModelSpec, Recompute, SpecError
+from costmodels.plan import (DEFAULT_RECOMPUTE_MODULES, PLAN_FIELDS, RECOMPUTE_MODULES, Plan, PlanBatch, expand_layout,
+                             modules_mask, modules_of_mask, parse_layout, stage_layers)
+from costmodels.specs import ClusterSpec, Framework, JobSpec, ModelSpec, Recompute, SpecError
 
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 VPP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
@@ -57,8 +58,14 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("mbs", "MBS", lambda p: tuple(b for b in MBS_CHOICES if b <= p.job.global_batch)),
     Knob("recompute", "Recompute", lambda p: tuple(int(r) for r in Recompute),
          lambda v: Recompute(v).name.lower()),
+    Knob("recompute_modules", "Rec. modules", lambda p: recompute_module_sets(p.model),
+         lambda v: "+".join(modules_of_mask(v)) or "-"),
     Knob("sp", "SP", lambda p: (0, 1), lambda v: "on" if v else "off"),
-    Knob("zero", "ZeRO", lambda p: (0, 1, 2, 3)),
+    Knob("zero", "ZeRO", lambda p: zero_stages(p.job)),
+    # Megatron-Bridge sets both for Llama-3.1 405B and Qwen3 235B: the embedding / loss take a
+    # layer's slot in the even split
+    Knob("account_for_embedding", "Acc. emb.", lambda p: (0, 1), lambda v: "yes" if v else "no"),
+    Knob("account_for_loss", "Acc. loss", lambda p: (0, 1), lambda v: "yes" if v else "no"),
     # 0 = even split / every layer; rules below bound them by the plan's stage and chunk sizes
     Knob("first_layers", "First", lambda p: tuple(range(0, (p.model.num_layers + 1) // 2)),
          lambda v: str(v) if v else "even", exhaustive=False),
@@ -67,9 +74,46 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("recompute_layers", "Rec. layers", lambda p: tuple(range(0, p.model.num_layers)),
          lambda v: str(v) if v else "all", exhaustive=False),
 )}
+#: plan fields that are not knobs: a --pipeline-model-parallel-layout is given by the user (or a
+#: published recipe), never searched; enumerated plans have none (0)
+NOT_SEARCHED = ("layout",)
 
-#: the knobs enumeration expands (the others stay at 0 unless fixed)
-EXHAUSTIVE_KNOBS = tuple(k for k, knob in KNOBS.items() if knob.exhaustive)
+
+def recompute_module_sets(model: ModelSpec) -> tuple:
+    """--recompute-modules sets the search tries with recompute=selective (0 = no set, for none and
+    full): Megatron-Core's default core_attn, then cumulatively the layernorms and the activation
+    functions of the MLPs the model has, then whole MLP / MoE blocks (transformer_config.py)."""
+    sets = [(), ("core_attn",), ("core_attn", "layernorm")]
+    act = "moe_act" if model.is_moe else "mlp"
+    if model.is_moe:
+        sets.append(("core_attn", "layernorm", "moe_act"))
+        sets.append(("core_attn", "layernorm", "moe"))
+        if model.num_shared_experts:
+            sets.append(("core_attn", "layernorm", "moe", "shared_experts"))
+    else:
+        sets.append(("core_attn", "layernorm", act))
+    if model.is_mla:
+        sets.append(("core_attn", "layernorm", "mla_up_proj") + (("moe_act",) if model.is_moe else ()))
+    return tuple(modules_mask(s) for s in sets)
+
+
+def applicable_modules_mask(model: ModelSpec) -> int:
+    """The --recompute-modules that act on this model (the others are no-ops, so illegal here)."""
+    names = ["core_attn", "layernorm"]
+    if model.num_layers > model.num_moe_layers:
+        names.append("mlp")
+    if model.is_moe:
+        names += ["moe_act", "moe"] + (["shared_experts"] if model.num_shared_experts else [])
+    if model.is_mla:
+        names.append("mla_up_proj")
+    return modules_mask(names)
+
+
+def zero_stages(job: JobSpec) -> tuple:
+    """Megatron-Core: plain DDP, the distributed optimizer (ZeRO-1) and FSDP (ZeRO-3); ZeRO-2 exists
+    only in DeepSpeed (stage 2 reduce-scatters gradients every micro-batch)."""
+    return (0, 1, 2, 3) if job.framework.framework is Framework.DEEPSPEED else (0, 1, 3)
+
 #: the knobs only the Optuna search samples, after all the others
 OPTUNA_ONLY_KNOBS = tuple(k for k, knob in KNOBS.items() if not knob.exhaustive)
 
@@ -92,26 +136,53 @@ def _mb(a, p):
     return p.job.global_batch // (a["dp"] * a["mbs"])
 
 
-def _even_stage(a, p):
-    """Layers on the busiest stage of the even split: ceil(L / (pp*vpp)) * vpp."""
-    return -(-p.model.num_layers // (a["pp"] * a["vpp"])) * a["vpp"]
-
-
 def _stages(a, p):
-    return stage_layers(p.model.num_layers, a["pp"], a["vpp"], a["first_layers"], a["last_layers"])
+    return stage_layers(p.model.num_layers, a["pp"], a["vpp"], a["first_layers"], a["last_layers"],
+                        acc_embedding=a["account_for_embedding"], acc_loss=a["account_for_loss"], layout=a["layout"])
 
 
-def _rest_ok(a, p):
+def _uneven(a):
+    """Rows with --decoder-first/last-pipeline-num-layers (not a layout)."""
+    return (a["layout"] == 0) & ((a["first_layers"] > 0) | (a["last_layers"] > 0))
+
+
+def _units(a, p):
+    """Layers of the even split, the embedding and the loss counted when accounted for."""
+    return p.model.num_layers + a["account_for_embedding"] + a["account_for_loss"]
+
+
+def _even_ok(a, p):
+    """Megatron-Core's even split (get_num_layers_to_build): the units divide by pp, and each rank's
+    share by vpp."""
+    u = _units(a, p)
+    per_rank = u // np.maximum(a["pp"], 1)
+    return (u % a["pp"] == 0) & (per_rank % a["vpp"] == 0) & (per_rank >= a["vpp"])
+
+
+def _middle(a, p):
+    """(middle stages, their layers) of an uneven split."""
     others = a["pp"] - (a["first_layers"] > 0) - (a["last_layers"] > 0)
     rest = p.model.num_layers - a["first_layers"] - a["last_layers"]
-    even = (a["first_layers"] == 0) & (a["last_layers"] == 0)      # pp_layers covers the even split
-    return even | np.where(others > 0, rest >= others * a["vpp"], rest == 0)
+    return others, rest
+
+
+def _middle_ok(a, p):
+    """TransformerConfig's uneven-PP checks: middle stages exist iff middle layers do; they divide
+    evenly, and each middle rank's layers by vpp."""
+    others, rest = _middle(a, p)
+    per = rest // np.maximum(others, 1)
+    ok = np.where(others > 0, (rest > 0) & (rest % np.maximum(others, 1) == 0) & (per % a["vpp"] == 0)
+                  & (per >= a["vpp"]), rest == 0)
+    return ~_uneven(a) | ok
 
 
 def _max_chunk(a, p):
     n_first, n_mid, n_last = _stages(a, p)
     n_mid = np.where(a["pp"] > 2, n_mid, 0)
     return np.maximum(np.maximum(n_first, n_mid), n_last) // a["vpp"]
+
+
+_SELECTIVE = int(Recompute.SELECTIVE)
 
 
 RULES: tuple[Rule, ...] = (
@@ -135,10 +206,48 @@ RULES: tuple[Rule, ...] = (
                                                 & (max(p.model.moe_ffn_hidden_size, 1) % np.maximum(a["etp"], 1) == 0)),
          lambda a, p: (f"etp={_v(a,'etp')} must divide the expert FFN size {p.model.moe_ffn_hidden_size}"
                        if p.model.is_moe else f"etp={_v(a,'etp')} needs a Mixture-of-Experts model")),
-    Rule("pp_layers", lambda a, p: a["pp"] * a["vpp"] <= p.model.num_layers,
-         lambda a, p: f"pp*vpp = {_v(a,'pp')*_v(a,'vpp')} stages exceed num_layers={p.model.num_layers}"),
     Rule("vpp_needs_pp", lambda a, p: (a["vpp"] == 1) | (a["pp"] >= 2),
          lambda a, p: f"vpp={_v(a,'vpp')} (interleaved schedule) needs pp >= 2"),
+    # the even split (no first/last stage sizes, no layout) [Megatron-Core get_num_layers_to_build]
+    Rule("pp_split", lambda a, p: _uneven(a) | (a["layout"] > 0) | _even_ok(a, p),
+         lambda a, p: f"num_layers={p.model.num_layers}"
+                      f"{' + embedding' if _v(a, 'account_for_embedding') else ''}"
+                      f"{' + loss' if _v(a, 'account_for_loss') else ''} must split evenly over pp={_v(a,'pp')} "
+                      f"ranks of vpp={_v(a,'vpp')} chunks each (Megatron-Core); try account_for_embedding/"
+                      f"account_for_loss, first_layers/last_layers or a layout"),
+    Rule("account_needs_pp", lambda a, p: ((a["account_for_embedding"] == 0) & (a["account_for_loss"] == 0))
+         | (a["pp"] > 1),
+         lambda a, p: f"account_for_embedding={_v(a, 'account_for_embedding')}/account_for_loss="
+                      f"{_v(a, 'account_for_loss')} need pp >= 2, got pp={_v(a, 'pp')} (they change the pipeline split)"),
+    Rule("account_not_uneven", lambda a, p: ((a["account_for_embedding"] == 0) & (a["account_for_loss"] == 0))
+         | ((a["first_layers"] == 0) & (a["last_layers"] == 0) & (a["layout"] == 0)),
+         lambda a, p: f"account_for_embedding={_v(a, 'account_for_embedding')}/account_for_loss="
+                      f"{_v(a, 'account_for_loss')} cannot be combined with first_layers={_v(a, 'first_layers')}/"
+                      f"last_layers={_v(a, 'last_layers')} or a layout (Megatron-Core TransformerConfig)"),
+    # uneven pipeline stages (Megatron-Core --decoder-first/last-pipeline-num-layers)
+    Rule("stage_layers_need_pp", lambda a, p: ~_uneven(a) | (a["pp"] > 1),
+         lambda a, p: "first_layers/last_layers need pp >= 2 (they size the first and last pipeline stage)",
+         only_if_set=('first_layers', 'last_layers')),
+    Rule("stage_layers_vpp", lambda a, p: ~_uneven(a) | ((a["first_layers"] % a["vpp"] == 0)
+                                                         & (a["last_layers"] % a["vpp"] == 0)),
+         lambda a, p: f"first_layers={_v(a,'first_layers')} and last_layers={_v(a,'last_layers')} must be "
+                      f"multiples of vpp={_v(a,'vpp')} (Megatron-Core splits each stage into vpp chunks)",
+         only_if_set=('first_layers', 'last_layers')),
+    Rule("stage_layers_rest", _middle_ok,
+         lambda a, p: f"first_layers={_v(a,'first_layers')} + last_layers={_v(a,'last_layers')} leave "
+                      f"{p.model.num_layers - _v(a,'first_layers') - _v(a,'last_layers')} of "
+                      f"{p.model.num_layers} layers for {_v({'o': _middle(a, p)[0]}, 'o')} middle stages: they must "
+                      f"split evenly, at least vpp={_v(a,'vpp')} per stage and a multiple of it (and nothing may "
+                      f"be left over when no middle stage exists)",
+         only_if_set=('first_layers', 'last_layers')),
+    # first of the inner rules: enumeration drops the pairs that break it before expanding
+    Rule("recompute_modules_selective", lambda a, p: (a["recompute"] == _SELECTIVE) == (a["recompute_modules"] != 0),
+         lambda a, p: ("recompute=selective needs recompute_modules (Megatron-Core's default: core_attn; "
+                       f"{len(RECOMPUTE_MODULES)} modules known)"
+                       if _v(a, "recompute") == _SELECTIVE else
+                       f"recompute_modules={'+'.join(modules_of_mask(_v(a, 'recompute_modules')))} are only used with "
+                       f"recompute=selective, got recompute={Recompute(_v(a, 'recompute')).name.lower()} "
+                       f"(Megatron --recompute-granularity; 2 choices: selective or full)")),
     Rule("batch_divisible", lambda a, p: p.job.global_batch % (a["dp"] * a["mbs"]) == 0,
          lambda a, p: f"global_batch={p.job.global_batch} must divide by dp*mbs = {_v(a,'dp')}*{_v(a,'mbs')}"),
     Rule("microbatches", lambda a, p: _mb(a, p) >= 1,
@@ -148,41 +257,29 @@ RULES: tuple[Rule, ...] = (
     Rule("interleave_microbatches", lambda a, p: (a["vpp"] == 1) | (_mb(a, p) % a["pp"] == 0),
          lambda a, p: f"with vpp={_v(a,'vpp')} the micro-batch count {_v({'m': _mb(a, p)}, 'm')} must be a "
                       f"multiple of pp={_v(a,'pp')}"),
+    Rule("recompute_modules_model", lambda a, p: (a["recompute_modules"] & ~applicable_modules_mask(p.model)) == 0,
+         lambda a, p: f"recompute_modules {'+'.join(modules_of_mask(_v(a, 'recompute_modules')))} include modules "
+                      f"{p.model.name} does not have (it has "
+                      f"{'+'.join(modules_of_mask(applicable_modules_mask(p.model)))})"),
     Rule("sp_needs_tp", lambda a, p: (a["sp"] == 0) | (a["tp"] > 1),
          lambda a, p: "sp=true needs tp > 1"),
     Rule("moe_tp_needs_sp", lambda a, p: (not p.model.is_moe) | (a["tp"] == 1) | (a["sp"] == 1),
          lambda a, p: f"MoE layers with tp={_v(a,'tp')} > 1 need sp=true (Megatron-Core rule)"),
+    Rule("tp_overlap_needs_sp", lambda a, p: (not p.job.framework.tp_comm_overlap) | (a["tp"] == 1) | (a["sp"] == 1),
+         lambda a, p: f"--tp-comm-overlap with tp={_v(a,'tp')} > 1 needs sp=true (Megatron-Core rule)"),
     Rule("zero_needs_dp", lambda a, p: (a["zero"] == 0) | (a["dp"] * a["cp"] > 1),
          lambda a, p: f"zero={_v(a,'zero')} shards over dp*cp = 1: use zero=0"),
+    Rule("zero_framework", lambda a, p: np.isin(a["zero"], zero_stages(p.job)),
+         lambda a, p: f"zero={_v(a,'zero')} does not exist in {p.job.framework.framework.value} (stages "
+                      f"{', '.join(map(str, zero_stages(p.job)))}: 0 DDP, 1 distributed optimizer, "
+                      f"{'2 ZeRO-2, ' if 2 in zero_stages(p.job) else ''}3 FSDP)"),
     Rule("zero23_no_pp", lambda a, p: (a["zero"] < 2) | (a["pp"] == 1),
          lambda a, p: f"zero={_v(a,'zero')} (gradient/parameter sharding) cannot be combined with pp={_v(a,'pp')} > 1"),
-    # uneven pipeline stages (Megatron-Core --decoder-first/last-pipeline-num-layers)
-    Rule("stage_layers_need_pp", lambda a, p: ((a["first_layers"] == 0) & (a["last_layers"] == 0)) | (a["pp"] > 1),
-         lambda a, p: "first_layers/last_layers need pp >= 2 (they size the first and last pipeline stage)",
-         only_if_set=('first_layers', 'last_layers')),
-    Rule("stage_layers_vpp", lambda a, p: (a["first_layers"] % a["vpp"] == 0) & (a["last_layers"] % a["vpp"] == 0),
-         lambda a, p: f"first_layers={_v(a,'first_layers')} and last_layers={_v(a,'last_layers')} must be "
-                      f"multiples of vpp={_v(a,'vpp')} (Megatron-Core splits each stage into vpp chunks)",
-         only_if_set=('first_layers', 'last_layers')),
-    # the flags exist to lighten the end stages (embedding + most in-flight activations on the
-    # first, output layer + loss on the last); equal to the even split is written 0
-    Rule("stage_layers_lighter", lambda a, p: (a["first_layers"] < _even_stage(a, p))
-         & (a["last_layers"] < _even_stage(a, p)),
-         lambda a, p: f"first_layers={_v(a,'first_layers')} and last_layers={_v(a,'last_layers')} must be "
-                      f"below the even split's {_v({'n': _even_stage(a, p)}, 'n')} layers per stage "
-                      f"(0 = even split)",
-         only_if_set=('first_layers', 'last_layers')),
-    Rule("stage_layers_rest", _rest_ok,
-         lambda a, p: f"first_layers={_v(a,'first_layers')} + last_layers={_v(a,'last_layers')} leave "
-                      f"{p.model.num_layers - _v(a,'first_layers') - _v(a,'last_layers')} of "
-                      f"{p.model.num_layers} layers: each other stage needs at least vpp={_v(a,'vpp')} "
-                      f"(and nothing may be left over when no other stage exists)",
-         only_if_set=('first_layers', 'last_layers')),
     # block recomputation (Megatron --recompute-method block --recompute-num-layers N)
     Rule("recompute_layers_full", lambda a, p: (a["recompute_layers"] == 0) | (a["recompute"] == int(Recompute.FULL)),
          lambda a, p: f"recompute_layers={_v(a,'recompute_layers')} needs recompute=full",
          only_if_set=('recompute_layers',)),
-    Rule("recompute_layers_chunk", lambda a, p: a["recompute_layers"] < _max_chunk(a, p),
+    Rule("recompute_layers_chunk", lambda a, p: (a["recompute_layers"] == 0) | (a["recompute_layers"] < _max_chunk(a, p)),
          lambda a, p: f"recompute_layers={_v(a,'recompute_layers')} is not below the "
                       f"{_v({'n': _max_chunk(a, p)}, 'n')} layers of the largest pipeline chunk: use 0 "
                       f"(recompute every layer)",
@@ -192,7 +289,9 @@ RULES: tuple[Rule, ...] = (
 
 #: rules that read only the mesh knobs (tp, cp, pp, dp, ep, etp); they come first in RULES, so
 #: enumeration can apply them to the small outer grid before expanding the inner knobs
-MESH_RULES = ("gpus", "tp_heads", "cp_seq", "ep_experts", "ep_fold", "etp_ffn")
+MESH_RULES = ("gpus", "tp_heads", "cp_seq", "ep_experts", "ep_fold", "etp_ffn", "vpp_needs_pp", "pp_split",
+              "account_needs_pp", "account_not_uneven", "stage_layers_need_pp", "stage_layers_vpp",
+              "stage_layers_rest")
 assert tuple(r.name for r in RULES[:len(MESH_RULES)]) == MESH_RULES
 
 
@@ -214,8 +313,17 @@ def check_rows(arrays: dict, problem: Problem, rules: tuple = RULES,
 
 
 def check_plan(plan: Plan, problem: Problem) -> None:
-    """Raise SpecError naming the first rule a single plan breaks."""
-    arrays = {f: np.array([int(getattr(plan, f))], dtype=np.int64) for f in PLAN_FIELDS}
+    """Raise SpecError naming the first rule a single plan breaks (a layout is checked against
+    Megatron-Core's layout rules first)."""
+    if plan.layout:
+        if plan.first_layers or plan.last_layers:
+            raise SpecError("plan (layout)", "a layout cannot be combined with first_layers/last_layers")
+        split = parse_layout(plan.layout, plan.pp, problem.model.num_layers)
+        if split.vpp != plan.vpp:
+            raise SpecError("plan (layout)", f"the layout has {split.vpp} virtual stages per rank "
+                            f"({split.vpp * plan.pp} stages over pp={plan.pp}) but vpp={plan.vpp}")
+    batch = PlanBatch.from_plans([plan])
+    arrays = {f: np.asarray(batch[f], dtype=np.int64) for f in PLAN_FIELDS}
     for rule in RULES:
         if not bool(np.asarray(rule.ok(arrays, problem)).reshape(-1)[0]):
             raise SpecError(f"plan ({rule.name})", rule.explain(arrays, problem))
@@ -225,7 +333,7 @@ def legal_values_of(knob: str, plan: dict, problem: Problem, values) -> np.ndarr
     """The `values` of `knob` that keep `plan` (every PLAN_FIELDS entry, as ints) legal: all rules
     checked on the candidates at once."""
     vals = np.asarray(values, dtype=np.int64)
-    arrays = {f: np.full(len(vals), int(plan[f]), dtype=np.int64) for f in PLAN_FIELDS}
+    arrays = {f: np.full(len(vals), int(plan.get(f, 0)), dtype=np.int64) for f in PLAN_FIELDS}
     arrays[knob] = vals
     legal, _ = check_rows(arrays, problem)
     return vals[legal]
@@ -241,6 +349,12 @@ def complete_plan(values: dict, problem: Problem) -> Plan:
         v["dp"] = problem.cluster.num_gpus // denom
     if problem.model.is_moe and "sp" not in v and v.get("tp", 1) > 1:
         v["sp"] = True
+    if problem.job.framework.tp_comm_overlap and "sp" not in v and v.get("tp", 1) > 1:
+        v["sp"] = True
+    if v.get("recompute") is Recompute.SELECTIVE and not v.get("recompute_modules"):
+        v["recompute_modules"] = DEFAULT_RECOMPUTE_MODULES
+    if "layout" in v and "vpp" not in v:
+        v["vpp"] = max(1, len(expand_layout(v["layout"])) // max(v.get("pp", 1), 1))
     return Plan(**v)
 
 
@@ -279,32 +393,73 @@ def _grid(values: dict) -> dict:
     return {k: m.reshape(-1) for k, m in zip(names, mesh)}
 
 
+#: knobs of the outer grid of enumeration: the device mesh and the pipeline split; the rules that
+#: read only these (MESH_RULES) run on it before the inner knobs are expanded
+OUTER_KEYS = ("tp", "cp", "pp", "ep", "etp", "vpp", "account_for_embedding", "account_for_loss",
+              "first_layers", "last_layers", "layout")
+
+
+def _recompute_pairs(dom: dict) -> dict:
+    """The (recompute, recompute_modules) pairs that can be legal: modules only with selective."""
+    rec = np.repeat(np.asarray(dom["recompute"], dtype=np.int64), len(dom["recompute_modules"]))
+    mods = np.tile(np.asarray(dom["recompute_modules"], dtype=np.int64), len(dom["recompute"]))
+    ok = (rec == _SELECTIVE) == (mods != 0)
+    return {"recompute": rec[ok], "recompute_modules": mods[ok]}, int((~ok).sum())
+
+
+def _product(parts: list[dict]) -> dict:
+    """Cartesian product of groups of parallel arrays (each group a dict of equal-length arrays)."""
+    sizes = [len(next(iter(g.values()))) for g in parts]
+    idx = np.meshgrid(*[np.arange(n) for n in sizes], indexing="ij")
+    out = {}
+    for g, i in zip(parts, idx):
+        for k, v in g.items():
+            out[k] = np.asarray(v)[i.reshape(-1)]
+    return out
+
+
 def enumerate_legal(problem: Problem, fixed: dict | None = None,
                     chunk_rows: int = 1 << 20) -> tuple[Iterator[PlanBatch], SpaceStats]:
     """Legal plans as a stream of PlanBatch chunks, and the space statistics (filled while streaming).
 
-    The grid is split into an outer "mesh" (tp, cp, pp, ep, etp) and an inner part (vpp, mbs,
-    recompute, sp, zero); rules run as numpy masks over whole blocks, never per plan.
+    The grid is split into an outer part (OUTER_KEYS: mesh and pipeline split) and an inner part
+    (mbs, recompute with its modules, sp, zero, block recompute); rules run as numpy masks over whole
+    blocks, never per plan. (recompute, recompute_modules) pairs other than selective-with-modules
+    and none/full-without are dropped up front (counted under recompute_modules_selective).
     """
     fixed = dict(fixed or {})
+    layouts: tuple = ()
+    if fixed.get("layout"):
+        # a given --pipeline-model-parallel-layout: pp is fixed, first/last ranks' layers follow
+        layout = str(fixed.pop("layout"))
+        if "pp" not in fixed:
+            raise SpecError("plan.layout", "a layout needs a fixed pp")
+        split = parse_layout(layout, int(fixed["pp"]), problem.model.num_layers)
+        fixed.update(first_layers=split.first, last_layers=split.last, vpp=split.vpp)
+        layouts = (layout,)
     dom = domains(problem, fixed)
+    dom["layout"] = (1,) if layouts else (0,)
     N = problem.cluster.num_gpus
     stats = SpaceStats(illegal={})
-    outer_keys = ("tp", "cp", "pp", "ep", "etp")
-    inner_keys = ("vpp", "mbs", "recompute", "sp", "zero") + OPTUNA_ONLY_KNOBS
-    inner = _grid({k: dom[k] for k in inner_keys})
-    n_inner = len(inner["vpp"])
-    outer = _grid({k: dom[k] for k in outer_keys})
+    pairs, n_bad_pairs = _recompute_pairs(dom)
+    inner_singles = [{k: np.asarray(dom[k], dtype=np.int64)} for k in ("mbs", "sp", "zero", "recompute_layers")]
+    inner = _product([pairs] + inner_singles)
+    n_inner = len(inner["mbs"])
+    n_inner_raw = n_inner + n_bad_pairs * int(np.prod([len(g[next(iter(g))]) for g in inner_singles]))
+    outer = _product([{k: np.asarray(dom[k], dtype=np.int64)} for k in OUTER_KEYS])
     n_outer = len(outer["tp"])
-    stats.total = n_outer * n_inner
+    stats.total = n_outer * n_inner_raw
     # dp derived from the GPU count; a mesh whose tp*cp*pp does not divide it is illegal ("gpus")
     prod = outer["tp"] * outer["cp"] * outer["pp"]
     outer["dp"] = np.where(N % prod == 0, N // np.maximum(prod, 1), 0)
     if "dp" in fixed:
         outer["dp"] = np.where(outer["dp"] == int(fixed["dp"]), outer["dp"], 0)
-    mesh_ok, mesh_counts = check_rows(outer, problem, RULES[:len(MESH_RULES)], n_inner)
-    stats.illegal.update(mesh_counts)
+    mesh_ok, mesh_counts = check_rows(outer, problem, RULES[:len(MESH_RULES)], n_inner_raw)
+    for k, c in mesh_counts.items():
+        stats.illegal[k] = stats.illegal.get(k, 0) + c
     keep = {k: v[mesh_ok] for k, v in outer.items()}
+    if n_inner_raw > n_inner and mesh_ok.any():
+        stats.illegal["recompute_modules_selective"] = int(mesh_ok.sum()) * (n_inner_raw - n_inner)
     # rules that cannot fail while the knobs they guard are pinned to 0 are skipped
     inner_rules = tuple(r for r in RULES[len(MESH_RULES):]
                         if not r.only_if_set or any(dom[k] != (0,) for k in r.only_if_set))
@@ -323,7 +478,7 @@ def enumerate_legal(problem: Problem, fixed: dict | None = None,
             n_legal = int(legal.sum())
             stats.legal += n_legal
             if n_legal:
-                yield PlanBatch({f: arrays[f][legal].astype(np.int32) for f in PLAN_FIELDS})
+                yield PlanBatch({f: arrays[f][legal].astype(np.int32) for f in PLAN_FIELDS}, layouts)
 
     return stream(), stats
 
@@ -335,16 +490,20 @@ def count_legal(problem: Problem, fixed: dict | None = None) -> SpaceStats:
     return stats
 
 
-def binding_rules(problem: Problem, fixed: dict | None = None, max_rows: int = 1 << 21) -> list:
+def binding_rules(problem: Problem, fixed: dict | None = None, max_rows: int = 1 << 18) -> list:
     """Why a space is empty: each rule's share of combinations it rejects on its own, highest first,
-    with the message for one rejected combination: [(rule, fraction, message)]."""
+    with the message for one rejected combination: [(rule, fraction, message)]. Estimated on up to
+    `max_rows` combinations drawn uniformly from the product of the knob domains."""
     dom = domains(problem, fixed)
-    grid = _grid(dom)
+    dom["layout"] = (0,)
+    sizes = {k: len(v) for k, v in dom.items()}
+    n_total = int(np.prod([float(n) for n in sizes.values()]))
+    if n_total <= max_rows:
+        grid = _product([{k: np.asarray(v, dtype=np.int64)} for k, v in dom.items()])
+    else:
+        rng = np.random.default_rng(0)
+        grid = {k: np.asarray(v, dtype=np.int64)[rng.integers(0, len(v), size=max_rows)] for k, v in dom.items()}
     n = len(grid["tp"])
-    if n > max_rows:
-        pick = np.random.default_rng(0).choice(n, size=max_rows, replace=False)
-        grid = {k: v[pick] for k, v in grid.items()}
-        n = max_rows
     N = problem.cluster.num_gpus
     prod = grid["tp"] * grid["cp"] * grid["pp"]
     grid["dp"] = np.where(N % prod == 0, N // np.maximum(prod, 1), 0)

@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 PUBLIC_RUNS = REPO.parent / "shared" / "validation" / "public_runs.json"
 
 SMALL = ["--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "64", "--seq-len", "4096"]
-PLAN_KNOBS = {"tp", "pp", "dp", "cp", "ep", "etp", "vpp", "mbs", "recompute", "sp", "zero",
-              "first_layers", "last_layers", "recompute_layers"}
+PLAN_KNOBS = {"tp", "pp", "dp", "cp", "ep", "etp", "vpp", "mbs", "recompute", "recompute_modules", "sp", "zero",
+              "account_for_embedding", "account_for_loss", "first_layers", "last_layers", "recompute_layers",
+              "layout"}
 PLAN_REPORT_KEYS = {"plan", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu",
                     "mfu", "hfu", "fits", "memory_gb", "time_breakdown_s"}
 MEMORY_KEYS = {"total", "weights", "gradients", "optimizer", "activations", "other", "limit"}
@@ -190,8 +191,9 @@ def test_predict_json_schema():
     rep = json.loads(result.stdout)
     assert PLAN_REPORT_KEYS | {"problem"} <= set(rep)
     assert rep["plan"] == {"tp": 2, "pp": 2, "dp": 2, "cp": 1, "ep": 1, "etp": 1, "vpp": 2, "mbs": 1,
-                           "recompute": "selective", "sp": True, "zero": 1,
-                           "first_layers": 0, "last_layers": 0, "recompute_layers": 0}
+                           "recompute": "selective", "recompute_modules": ["core_attn"], "sp": True, "zero": 1,
+                           "account_for_embedding": False, "account_for_loss": False,
+                           "first_layers": 0, "last_layers": 0, "recompute_layers": 0, "layout": ""}
     assert MEMORY_KEYS <= set(rep["memory_gb"])
     assert {"compute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer"} <= set(rep["time_breakdown_s"])
     assert {"model", "gpu", "cluster", "job"} <= set(rep["problem"])
@@ -207,12 +209,12 @@ def test_predict_human():
 
 def test_predict_uneven_stages_and_block_recompute():
     """The Optuna-only knobs through --plan: echoed in the plan text, scored, and the JSON holds them."""
-    plan = "tp=2,pp=4,mbs=1,recompute=full,recompute_layers=3,sp=true,zero=0,first_layers=7,last_layers=6"
+    plan = "tp=2,pp=4,mbs=1,recompute=full,recompute_layers=3,sp=true,zero=0,first_layers=6,last_layers=6"
     human = run("predict", *SMALL, "--plan", plan)
     assert human.exit_code == 0, (human.stderr, human.exception)
-    assert "first_layers=7,last_layers=6,recompute_layers=3" in human.stdout.replace("\n", "")
+    assert "first_layers=6,last_layers=6,recompute_layers=3" in human.stdout.replace("\n", "")
     data = json.loads(run("predict", *SMALL, "--plan", plan, "--json").stdout)
-    assert (data["plan"]["first_layers"], data["plan"]["last_layers"], data["plan"]["recompute_layers"]) == (7, 6, 3)
+    assert (data["plan"]["first_layers"], data["plan"]["last_layers"], data["plan"]["recompute_layers"]) == (6, 6, 3)
     even = json.loads(run("predict", *SMALL, "--plan", "tp=2,pp=4,mbs=1,recompute=full,sp=true,zero=0",
                           "--json").stdout)
     assert data["step_time_s"] < even["step_time_s"]               # 3 of 8 layers replayed, not 8
@@ -384,7 +386,10 @@ BAD_PLANS = {
     "bad recompute": ("8", "recompute=some", ("plan.recompute",)),
     "zero stage 4": ("8", "zero=4", ("plan.zero",)),
     "uneven stages without a pipeline": ("8", "pp=1,first_layers=4", ("plan (stage_layers_need_pp)",)),
-    "end stage not lighter": ("8", "pp=2,first_layers=16", ("plan (stage_layers_lighter)", "even split")),
+    "middle stages uneven": ("8", "pp=4,first_layers=6", ("plan (stage_layers_rest)", "middle stages")),
+    "layers not divisible by pp": ("8", "pp=8,vpp=3", ("plan (pp_split)", "split evenly")),
+    "selective with a module the model lacks": ("8", "recompute=selective,recompute_modules=moe_act",
+                                                ("plan (recompute_modules_model)", "moe_act")),
     "block recompute without full": ("8", "pp=2,recompute_layers=2", ("plan (recompute_layers_full)",)),
     "negative stage layers": ("8", "pp=2,last_layers=-1", ("plan.last_layers", "non-negative")),
     "no equals sign": ("8", "tp8", ("plan", "key=value")),

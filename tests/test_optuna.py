@@ -79,7 +79,8 @@ def test_distributions_derive_from_the_knob_domains(small_space):
     # dense model: ep and etp have one value each, so they are constants, not parameters
     assert space.constants == {"ep": 1, "etp": 1}
     # the Optuna-only knobs (uneven end stages, block recompute) come last
-    assert list(space.distributions) == ["tp", "cp", "pp", "vpp", "mbs", "recompute", "sp", "zero",
+    assert list(space.distributions) == ["tp", "cp", "pp", "vpp", "mbs", "recompute", "recompute_modules", "sp",
+                                         "zero", "account_for_embedding", "account_for_loss",
                                          "first_layers", "last_layers", "recompute_layers"]
     assert space.distributions["tp"].log and not space.distributions["recompute"].log
     assert (space.distributions["zero"].low, space.distributions["zero"].high) == (0, 3)
@@ -141,7 +142,7 @@ def test_neighbors_are_legal_and_sorted(small_space):
 # Search: the exhaustive optimum, constraints, seeding, resume
 # ---------------------------------------------------------------------------------------------
 
-PINNED = {"zero": 1, "recompute": 0, "sp": 1, "first_layers": 0, "last_layers": 0}   # 93 legal plans
+PINNED = {"zero": 1, "recompute": 0, "sp": 1, "first_layers": 0, "last_layers": 0}   # 67 legal plans
 
 
 def test_tpe_reaches_the_exhaustive_optimum_on_a_small_space():
@@ -172,6 +173,7 @@ def test_optuna_only_knobs_are_searched_and_beat_the_even_split():
     grid = np.meshgrid(*[np.asarray(dom[k]) for k in dom], indexing="ij")
     arrays = {k: g.reshape(-1).astype(np.int64) for k, g in zip(dom, grid)}
     arrays["dp"] = 16 // (arrays["tp"] * arrays["cp"] * arrays["pp"])
+    arrays["layout"] = np.zeros_like(arrays["tp"])
     legal, _ = check_rows(arrays, problem)
     batch = PlanBatch({f: arrays[f][legal].astype(np.int32) for f in PLAN_FIELDS})
     steps, mems = score_summary(batch, Inputs(problem), EfficiencyParams())
@@ -285,10 +287,10 @@ def test_journal_storage_and_grid_sampler_cover_every_plan_once(tmp_path):
     url = f"journal:{tmp_path}/study.log"
     spec = StudySpec(**SMALL, fixed=PINNED, sampler="grid", seed=0)
     res = optuna_search(spec, n_trials=1000, storage_url=url, study_name="grid")
-    assert res.extra["optuna"]["n_trials"] == 93             # the grid stops at the legal space
+    assert res.extra["optuna"]["n_trials"] == 67             # the grid stops at the legal space
     study = optuna.load_study(study_name="grid", storage=open_storage(url))
     keys = {tuple(sorted(t.params.items())) for t in study.trials}
-    assert len(keys) == 93
+    assert len(keys) == 67
     ref = exhaustive(build_problem(**{**SMALL, "gpus": 8}), fixed=PINNED)
     assert res.best["plan"] == ref.best["plan"]
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from autotune.api import build_problem
-from costmodels.plan import PLAN_FIELDS, Plan
+from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, modules_of_mask
 from costmodels.presets import build_cluster
-from costmodels.specs import JobSpec, ModelSpec, Recompute, SpecError
+from costmodels.specs import FrameworkSpec, JobSpec, ModelSpec, Recompute, SpecError
 from search_spaces.space import (RULES, Problem, check_plan, check_rows, count_legal, domains,
                                  enumerate_legal)
 
@@ -49,8 +49,30 @@ _CASES = [
      Plan(tp=8, dp=2), Plan(tp=4, dp=4)),
     ("cp_seq", "seq not divisible by 2*cp", _problem(job=JobSpec(global_batch=32, seq_len=1000)),
      Plan(cp=8, dp=2), Plan(cp=4, dp=4)),
-    ("pp_layers", "pp*vpp > layers", _problem(),
+    ("pp_split", "a rank's layers not divisible by vpp", _problem(),
      Plan(pp=4, dp=4, vpp=4), Plan(pp=4, dp=4, vpp=2)),
+    ("pp_split", "pp does not divide the layers (Megatron-Core's even split)", _problem(),
+     Plan(pp=16, dp=1), Plan(pp=8, dp=2)),
+    ("pp_split", "pp does not divide layers + embedding + loss", _problem(),
+     Plan(pp=4, dp=4, account_for_embedding=True, account_for_loss=True),
+     Plan(pp=2, dp=8, account_for_embedding=True, account_for_loss=True)),
+    ("account_needs_pp", "embedding accounted without a pipeline", _problem(),
+     Plan(dp=16, account_for_embedding=True), Plan(dp=16)),
+    ("account_not_uneven", "accounting with an explicit first stage", _problem(),
+     Plan(pp=2, dp=8, first_layers=3, account_for_embedding=True), Plan(pp=2, dp=8, first_layers=3)),
+    ("recompute_modules_selective", "selective recompute without modules", _problem(),
+     Plan(dp=16, recompute=Recompute.SELECTIVE),
+     Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
+    ("recompute_modules_selective", "modules without selective recompute", _problem(),
+     Plan(dp=16, recompute_modules=("core_attn",)), Plan(dp=16)),
+    ("recompute_modules_model", "MoE modules on a dense model", _problem(),
+     Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn", "moe_act")),
+     Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
+    ("tp_overlap_needs_sp", "--tp-comm-overlap without sequence parallelism",
+     _problem(job=JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(tp_comm_overlap=True))),
+     Plan(tp=2, dp=8), Plan(tp=2, dp=8, sp=True)),
+    ("zero_framework", "ZeRO-2 in Megatron-Core", _problem(),
+     Plan(dp=16, zero=2), Plan(dp=16, zero=1)),
     ("vpp_needs_pp", "interleaving without a pipeline", _problem(),
      Plan(dp=16, vpp=2), Plan(dp=16, vpp=1)),
     ("batch_divisible", "global batch not divisible by dp*mbs", _problem(),
@@ -67,8 +89,8 @@ _CASES = [
      Plan(tp=2, dp=8, sp=False), Plan(tp=2, dp=8, sp=True)),
     ("zero_needs_dp", "ZeRO with dp*cp == 1", _problem(),
      Plan(tp=4, pp=4, dp=1, zero=1), Plan(tp=4, pp=4, dp=1, zero=0)),
-    ("zero23_no_pp", "ZeRO-2 with a pipeline", _problem(),
-     Plan(pp=2, dp=8, zero=2), Plan(pp=2, dp=8, zero=1)),
+    ("zero23_no_pp", "FSDP with a pipeline", _problem(),
+     Plan(pp=2, dp=8, zero=3), Plan(pp=2, dp=8, zero=1)),
     ("ep_experts", "ep does not divide the experts", _problem(MOE),
      Plan(dp=16, ep=16), Plan(dp=16, ep=8)),
     ("ep_experts", "ep on a dense model", _problem(),
@@ -83,11 +105,11 @@ _CASES = [
     ("stage_layers_need_pp", "first stage size without a pipeline", _problem(),
      Plan(dp=16, first_layers=1), Plan(dp=16), ("stage_layers_rest",)),
     ("stage_layers_vpp", "first stage not a multiple of vpp", _problem(),
-     Plan(pp=2, dp=8, vpp=2, first_layers=1), Plan(pp=2, dp=8, vpp=2, first_layers=2)),
-    ("stage_layers_lighter", "first stage as large as the even split", _problem(),
-     Plan(pp=2, dp=8, first_layers=4), Plan(pp=2, dp=8, first_layers=3)),
+     Plan(pp=2, dp=8, vpp=2, first_layers=1, last_layers=7), Plan(pp=2, dp=8, vpp=2, first_layers=2, last_layers=6)),
     ("stage_layers_rest", "two stages whose layers do not add up", _problem(),
      Plan(pp=2, dp=8, first_layers=3, last_layers=3), Plan(pp=2, dp=8, first_layers=3)),
+    ("stage_layers_rest", "middle stages that do not split evenly", _problem(),
+     Plan(pp=4, dp=4, first_layers=1), Plan(pp=4, dp=4, first_layers=2)),
     ("recompute_layers_full", "block recompute without full recompute", _problem(),
      Plan(dp=16, recompute_layers=2), Plan(dp=16, recompute=Recompute.FULL, recompute_layers=2)),
     ("recompute_layers_chunk", "block recompute of a whole chunk", _problem(),
@@ -101,7 +123,8 @@ RULE_IDS = [f"{c[0]}-{c[1].replace(' ', '_')}" for c in RULE_CASES]
 
 
 def _arrays(plan: Plan) -> dict:
-    return {f: np.array([int(getattr(plan, f))], dtype=np.int64) for f in PLAN_FIELDS}
+    batch = PlanBatch.from_plans([plan])
+    return {f: np.asarray(batch[f], dtype=np.int64) for f in PLAN_FIELDS}
 
 
 def _broken_rules(plan: Plan, problem: Problem) -> list[str]:
@@ -142,7 +165,7 @@ def test_rule_is_enforced(rule, why, problem, bad, good, also):
 def test_rule_agrees_with_enumeration(rule, why, problem, bad, good, also):
     """The vectorized enumeration keeps the fixed plan and drops the bad one."""
     def listed(plan):
-        fixed = {f: int(getattr(plan, f)) for f in PLAN_FIELDS}
+        fixed = {f: int(v[0]) for f, v in _arrays(plan).items() if f != "layout"}
         rows = [b for b in enumerate_legal(problem, fixed=fixed)[0]]
         return sum(len(b) for b in rows)
     assert listed(good) == 1
@@ -335,15 +358,17 @@ def _brute_force(problem: Problem, fixed: dict | None = None):
         if fixed and "dp" in fixed and v["dp"] != fixed["dp"]:
             reasons["gpus"] += 1
             continue
-        v["sp"] = bool(v["sp"])
+        for f in ("sp", "account_for_embedding", "account_for_loss"):
+            v[f] = bool(v[f])
         v["recompute"] = Recompute(v["recompute"])
+        v["recompute_modules"] = modules_of_mask(v["recompute_modules"])
         plan = Plan(**v)
         try:
             check_plan(plan, problem)
         except SpecError as exc:
             reasons[exc.field.removeprefix("plan (").removesuffix(")")] += 1
             continue
-        legal.add(tuple(int(getattr(plan, f)) for f in PLAN_FIELDS))
+        legal.add(tuple(int(v[0]) for v in PlanBatch.from_plans([plan]).arrays.values()))
     return legal, dict(reasons), total
 
 
@@ -377,7 +402,7 @@ def test_domains_exclude_dp_and_respect_fixed():
     problem = _problem()
     dom = domains(problem)
     assert "dp" not in dom
-    assert set(dom) == set(PLAN_FIELDS) - {"dp"}
+    assert set(dom) == set(PLAN_FIELDS) - {"dp", "layout"}
     assert domains(problem, {"tp": 2})["tp"] == (2,)
     assert all(problem.model.num_attention_heads >= t for t in dom["tp"])
     assert dom["ep"] == (1,) and dom["etp"] == (1,)          # dense model
