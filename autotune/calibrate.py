@@ -21,7 +21,7 @@ from costmodels.plan import PLAN_FIELDS
 from costmodels.specs import SpecError
 
 from .search import NoLegalPlan, NothingFits, exhaustive
-from .validate import case_from_row
+from .validate import case_from_row, measured_value
 
 #: parameters fitted by default: the time model's efficiencies and overheads (memory constants are
 #: not observable from throughput, so they stay at their documented values)
@@ -46,13 +46,14 @@ class FitCase:
 
 
 def measured_step_s(row: dict, case) -> float | None:
+    """The measured step time of a row (from tokens/s per GPU, else the iteration time); None when
+    neither is a finite positive number."""
     meas = (row.get("measured") or {})
-    tok = meas.get("tokens_per_s_per_gpu")
+    tok, _ = measured_value(meas.get("tokens_per_s_per_gpu"))
     if tok:
-        return case.problem.job.tokens_per_step / (float(tok) * case.problem.cluster.num_gpus)
-    if meas.get("iteration_time_s"):
-        return float(meas["iteration_time_s"])
-    return None
+        return case.problem.job.tokens_per_step / (tok * case.problem.cluster.num_gpus)
+    step, _ = measured_value(meas.get("iteration_time_s"))
+    return step
 
 
 def build_cases(rows: list, params: EfficiencyParams, only_usable: bool = True) -> list[FitCase]:
