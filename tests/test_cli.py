@@ -63,7 +63,7 @@ SURFACE = {
                                  "--seed", "--objective", "--storage", "--study", "--batch-size",
                                  "--sensitivity", "--no-sensitivity"},
     "predict": PROBLEM_OPTIONS | {"--plan"},
-    "validate": {"file", "--json", "--all", "--calibration"},
+    "validate": {"file", "--dataset", "--json", "--all", "--calibration"},
     "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
                 "--intra-node-bw", "--inter-node-bw", "--memory-limit-gb", "--json", "--calibration"},
     "calibrate": {"measurements", "--gpu", "--out", "-o", "--holdout-frac", "--seed", "--rounds", "--steps",
