@@ -86,3 +86,12 @@ def search(problem: Problem, *, strategy: str = "exhaustive", top_k: int = 10,
 def predict_plan(problem: Problem, plan: Plan, *, memory_limit_gb: float | None = None,
                  params: EfficiencyParams | None = None) -> dict:
     return predict(problem, plan, params, memory_limit_gb)
+
+
+def validate(file: str | None = None, *, dataset: str | None = None, calibration: str | None = None,
+             only_usable: bool = True) -> dict:
+    """Predict measured runs (a runs file, or the bundled `public` / `small-scale` dataset) and report
+    the error per run, MAPE and max error (overall, dense/MoE, by source, by GPU generation), the
+    runs predicted not to fit and the published plans outside the legal space (with the rules)."""
+    from .validate import validate_runs
+    return validate_runs(file, dataset=dataset, calibration=calibration, only_usable=only_usable)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +17,12 @@ import numpy as np
 
 from costmodels import model as cm
 from costmodels.encode import encode_cluster, encode_job, encode_model, stack_inputs
-from costmodels.params import PARAM_BOUNDS, EfficiencyParams
+from costmodels.params import LITERATURE_PRIOR, PARAM_BOUNDS, EfficiencyParams
 from costmodels.plan import PLAN_FIELDS, Plan
 from costmodels.specs import SpecError
 
 from .search import NoLegalPlan, NothingFits, exhaustive
-from .validate import case_from_row
+from .validate import case_from_row, measured_value
 
 #: parameters fitted by default: the time model's efficiencies and overheads (memory constants are
 #: not observable from throughput, so they stay at their documented values)
@@ -46,13 +47,14 @@ class FitCase:
 
 
 def measured_step_s(row: dict, case) -> float | None:
+    """The measured step time of a row (from tokens/s per GPU, else the iteration time); None when
+    neither is a finite positive number."""
     meas = (row.get("measured") or {})
-    tok = meas.get("tokens_per_s_per_gpu")
+    tok, _ = measured_value(meas.get("tokens_per_s_per_gpu"))
     if tok:
-        return case.problem.job.tokens_per_step / (float(tok) * case.problem.cluster.num_gpus)
-    if meas.get("iteration_time_s"):
-        return float(meas["iteration_time_s"])
-    return None
+        return case.problem.job.tokens_per_step / (tok * case.problem.cluster.num_gpus)
+    step, _ = measured_value(meas.get("iteration_time_s"))
+    return step
 
 
 def build_cases(rows: list, params: EfficiencyParams, only_usable: bool = True) -> list[FitCase]:
@@ -83,7 +85,16 @@ def build_cases(rows: list, params: EfficiencyParams, only_usable: bool = True) 
     return cases
 
 
-def _stack(cases: list[FitCase]):
+def _bucket(n: int) -> int:
+    """Pad batches to a power of two (at least 16) so that compiled functions are reused across
+    calls with similar numbers of runs (cross-validation folds, rounds)."""
+    return max(16, 1 << max(0, (n - 1).bit_length()))
+
+
+def _stack(cases: list[FitCase], pad_to: int | None = None):
+    """Cases -> (plans, model, hw, job, measured step) arrays; padded with copies of the first case
+    up to `pad_to` rows (callers give the padding weight 0 and drop its predictions)."""
+    cases = list(cases) + [cases[0]] * max(0, (pad_to or 0) - len(cases))
     plans = {f: np.array([c.plan[f] for c in cases], dtype=np.int32) for f in PLAN_FIELDS}
     return (plans, stack_inputs([c.model for c in cases]), stack_inputs([c.hw for c in cases]),
             stack_inputs([c.job for c in cases]), np.array([c.measured_step_s for c in cases], np.float32))
@@ -108,8 +119,8 @@ def _from_z(z, base: EfficiencyParams, names) -> EfficiencyParams:
 
 
 def predict_steps(cases: list[FitCase], params: EfficiencyParams) -> np.ndarray:
-    plans, m, hw, job, _ = _stack(cases)
-    return np.asarray(cm.evaluate_jit(plans, m, hw, job, params)["step_time_s"])
+    plans, m, hw, job, _ = _stack(cases, _bucket(len(cases)))
+    return np.asarray(cm.evaluate_jit(plans, m, hw, job, params)["step_time_s"])[:len(cases)]
 
 
 def mape_pct(cases: list[FitCase], params: EfficiencyParams) -> float:
@@ -121,33 +132,44 @@ def mape_pct(cases: list[FitCase], params: EfficiencyParams) -> float:
     return float(np.mean(np.abs(meas / pred - 1.0)) * 100.0)
 
 
+@partial(jax.jit, static_argnames=("names", "steps"))
+def _adam(z0, base, plans, m, hw, job, meas, w, lr, prior, *, names, steps):
+    """`steps` Adam steps in one compiled loop (lax.scan); compiled once per (names, steps, batch
+    shape), whatever the data and the starting values (they are traced arguments)."""
+    def loss(z):
+        p = _from_z(z, base, names)
+        pred = cm.evaluate(plans, m, hw, job, p)["step_time_s"]
+        r = jnp.log(pred) - jnp.log(meas)
+        return jnp.sum(w * r * r) + prior * jnp.sum((z - z0) ** 2)
+
+    b1, b2 = 0.9, 0.999
+
+    def step(carry, t):
+        z, mom, vel = carry
+        g = jnp.nan_to_num(jax.grad(loss)(z))
+        mom = b1 * mom + (1 - b1) * g
+        vel = b2 * vel + (1 - b2) * g * g
+        z = z - lr * (mom / (1 - b1 ** t)) / (jnp.sqrt(vel / (1 - b2 ** t)) + 1e-8)
+        return (z, mom, vel), None
+
+    ts = jnp.arange(1, steps + 1, dtype=jnp.float32)
+    (z, _, _), _ = jax.lax.scan(step, (z0, jnp.zeros_like(z0), jnp.zeros_like(z0)), ts)
+    return z
+
+
 def fit(cases: list[FitCase], params: EfficiencyParams, names=DEFAULT_FIT, *, steps: int = 400,
         lr: float = 0.05, weights: np.ndarray | None = None, prior: float = 1e-3) -> EfficiencyParams:
     """Adam on the sigmoid-reparametrized parameters, minimizing weighted mean squared log error
     plus a small pull towards the starting values (keeps unidentifiable parameters put)."""
     names = tuple(names)
-    plans, m, hw, job, meas = _stack(cases)
-    w = jnp.asarray(weights if weights is not None else np.ones(len(cases)), dtype=jnp.float32)
-    w = w / jnp.sum(w)
-    z0 = _to_z(params, names)
-
-    def loss(z):
-        p = _from_z(z, params, names)
-        pred = cm.evaluate(plans, m, hw, job, p)["step_time_s"]
-        r = jnp.log(pred) - jnp.log(meas)
-        return jnp.sum(w * r * r) + prior * jnp.sum((z - z0) ** 2)
-
-    vg = jax.jit(jax.value_and_grad(loss))
-    z = z0
-    mom = jnp.zeros_like(z)
-    vel = jnp.zeros_like(z)
-    b1, b2 = 0.9, 0.999
-    for t in range(1, steps + 1):
-        _, g = vg(z)
-        g = jnp.nan_to_num(g)
-        mom = b1 * mom + (1 - b1) * g
-        vel = b2 * vel + (1 - b2) * g * g
-        z = z - lr * (mom / (1 - b1 ** t)) / (jnp.sqrt(vel / (1 - b2 ** t)) + 1e-8)
+    n = len(cases)
+    plans, m, hw, job, meas = _stack(cases, _bucket(n))
+    w = np.zeros(len(meas), dtype=np.float32)
+    w[:n] = np.asarray(weights if weights is not None else np.ones(n), dtype=np.float32)
+    w /= w.sum()
+    base = EfficiencyParams(*(np.float32(v) for v in params))
+    z = _adam(_to_z(params, names), base, plans, m, hw, job, meas, w, np.float32(lr), np.float32(prior),
+              names=names, steps=int(steps))
     fitted = _from_z(z, params, names)
     return EfficiencyParams(*(float(v) for v in fitted))
 
@@ -170,3 +192,57 @@ def calibrate(rows: list, params: EfficiencyParams | None = None, *, names=DEFAU
             raise SpecError("measurements", "no run could be expressed and measured; nothing to fit")
         params = fit(cases, params, names, steps=steps, lr=lr, weights=group_weights(cases), prior=prior)
     return params, build_cases(rows, params)
+
+
+# ------------------------------------------------------------------------------------------------
+# Honesty: how far did the fit move each parameter from its literature value?
+# ------------------------------------------------------------------------------------------------
+
+#: a fitted value more than this factor above (or below 1/this of) its literature prior is flagged
+FAR_RATIO = 2.0
+#: ... or one that moved into this share of its allowed range next to a bound (the prior was not there)
+NEAR_BOUND_FRAC = 0.05
+#: ... or one that moved by more than this share of its allowed range (catches priors of 0 and
+#: efficiencies such as 0.8 -> 0.45 whose ratio stays under 2)
+FAR_RANGE_FRAC = 1.0 / 3.0
+
+
+def _near(x: float, bound: float, lo: float, hi: float) -> bool:
+    return abs(x - bound) <= NEAR_BOUND_FRAC * (hi - lo) * (1 + 1e-9)
+
+
+def parameter_report(fitted: EfficiencyParams, names=DEFAULT_FIT, start: EfficiencyParams | None = None,
+                     prior: EfficiencyParams = LITERATURE_PRIOR) -> list[dict]:
+    """One entry per fitted parameter: its literature prior, bound, start and fitted values, the
+    ratio to the prior, and `flags` when it moved far (more than FAR_RATIO x the prior, more than
+    FAR_RANGE_FRAC of its range, or to within NEAR_BOUND_FRAC of a bound the prior was not near),
+    with a one-line `warning`: a constant that moved far may be absorbing a structural error of the
+    cost model rather than measuring an efficiency. Names, priors and bounds are read generically
+    (EfficiencyParams._fields, LITERATURE_PRIOR, PARAM_BOUNDS), so a renamed or split parameter set
+    flows through."""
+    out = []
+    for name in names:
+        if name not in type(fitted)._fields:
+            continue
+        value = float(getattr(fitted, name))
+        pri = float(getattr(prior, name)) if name in type(prior)._fields else None
+        lo, hi = PARAM_BOUNDS.get(name, (None, None))
+        ratio = value / pri if pri else None
+        flags = []
+        if ratio is not None and (ratio > FAR_RATIO or ratio < 1.0 / FAR_RATIO):
+            flags.append(f"{ratio:.2g}x its literature prior {pri:.4g}")
+        if lo is not None and hi > lo:
+            if pri is not None and abs(value - pri) > FAR_RANGE_FRAC * (hi - lo) and not flags:
+                flags.append(f"moved {abs(value - pri) / (hi - lo):.0%} of its range [{lo:.4g}, {hi:.4g}] "
+                             f"from its literature prior {pri:.4g}")
+            for side, bound in (("lower", lo), ("upper", hi)):
+                if _near(value, bound, lo, hi) and not (pri is not None and _near(pri, bound, lo, hi)):
+                    flags.append(f"within {NEAR_BOUND_FRAC:.0%} of its {side} bound {bound:.4g}")
+        entry = {"name": name, "prior": pri, "bound": [lo, hi],
+                 "start": float(getattr(start, name)) if start is not None else None,
+                 "fitted": value, "ratio_to_prior": ratio, "flags": flags, "warning": None}
+        if flags:
+            entry["warning"] = (f"{name} = {value:.4g}: {'; '.join(flags)} (a structural error of the "
+                                f"cost model may hide in it)")
+        out.append(entry)
+    return out

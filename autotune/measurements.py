@@ -29,7 +29,7 @@ from costmodels.specs import SpecError
 from search_spaces.space import Problem
 
 from .files import read_json
-from .calibrate import DEFAULT_FIT, FitCase, build_cases, calibrate, fit, mape_pct
+from .calibrate import DEFAULT_FIT, FitCase, build_cases, calibrate, fit, mape_pct, parameter_report
 
 # ------------------------------------------------------------------------------------------------
 # Megatron-LM logs
@@ -146,7 +146,8 @@ def calibrate_from_log(problem: Problem, plan: Plan, parsed: dict, params: Effic
             "fit": {"source": log_path, "kind": "megatron-log", "log": summ, "plan": plan.as_dict(),
                     "n_train": 1, "n_holdout": 0, "mape_train_before_pct": before,
                     "mape_train_after_pct": after, "mape_holdout_before_pct": None,
-                    "mape_holdout_after_pct": None, "fitted": list(DEFAULT_FIT)}}
+                    "mape_holdout_after_pct": None, "fitted": list(DEFAULT_FIT)},
+            **_honesty(fitted, params)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,7 +194,15 @@ def calibrate_runs(rows: list, gpu: str, *, holdout_frac: float = 0.2, seed: int
                     "train_ids": [r.get("id") for r in train], "holdout_ids": [r.get("id") for r in hold],
                     "mape_train_before_pct": clean(before_train), "mape_train_after_pct": clean(after_train),
                     "mape_holdout_before_pct": clean(before_hold), "mape_holdout_after_pct": clean(after_hold),
-                    "fitted": list(DEFAULT_FIT)}}
+                    "fitted": list(DEFAULT_FIT)},
+            **_honesty(fitted, params)}
+
+
+def _honesty(fitted: EfficiencyParams, start: EfficiencyParams) -> dict:
+    """`parameters`: each fitted parameter with its literature prior, bound, start, fitted value and
+    ratio to the prior; `warnings`: one line per parameter that moved far (see parameter_report)."""
+    report = parameter_report(fitted, DEFAULT_FIT, start)
+    return {"parameters": report, "warnings": [e["warning"] for e in report if e["warning"]]}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ that framework would have picked, and says which knobs it filled.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -18,8 +19,9 @@ from costmodels.plan import balanced_layout
 from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
 from costmodels.specs import (AttentionBackend, Framework, FrameworkSpec, JobSpec, ModelSpec, Precision,
                               Recompute, SpecError)
-from search_spaces.space import Problem
+from search_spaces.space import Problem, binding_rules
 
+from .datasets import gpu_generation
 from .files import read_json
 from .search import NothingFits, NoLegalPlan, exhaustive
 
@@ -48,18 +50,30 @@ def _family_gated(name: str) -> bool:
     return _family(name)["gated"]
 
 
+#: row `model` keys -> ModelSpec fields, the dimensions a preset must agree with to fill a row's gaps
+_ROW_DIMS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "num_attention_heads"),
+             ("kv_heads", "num_kv_heads"), ("ffn_hidden", "ffn_hidden_size"), ("vocab", "vocab_size"),
+             ("num_experts", "num_experts"), ("top_k", "experts_per_token"),
+             ("moe_ffn_hidden", "moe_ffn_hidden_size"))
+
+
 def _matching_preset(m: dict) -> ModelSpec | None:
-    """The preset with the row's layer count, hidden size and expert count, if there is one."""
+    """The first preset that agrees with every dimension the row gives (layers, hidden size, heads,
+    KV heads, FFN, vocab, experts; no expert count means dense). A preset that contradicts any given
+    field is another model: a row with 96 layers, hidden 12288 and 128 heads is not GPT-3 175B (96
+    heads) and must not inherit its 96 KV heads."""
     for spec in MODEL_PRESETS.values():
-        if (spec.num_layers == m.get("layers") and spec.hidden_size == m.get("hidden")
-                and spec.num_experts == (m.get("num_experts") or 0)):
+        if spec.num_experts != (m.get("num_experts") or 0):
+            continue
+        if all(m.get(key) is None or m.get(key) == getattr(spec, attr) for key, attr in _ROW_DIMS):
             return spec
     return None
 
 
 def model_from_row(m: dict) -> ModelSpec:
-    """A ModelSpec from a row's `model` block; fields the row omits come from a matching preset,
-    else from the family's defaults (GPT: 4h MLP, MHA, vocab 51200)."""
+    """A ModelSpec from a row's `model` block. The row's fields always win; the fields it omits come
+    from a preset that agrees with everything the row gives, else from the family's defaults (MHA:
+    KV heads = heads; 4h MLP; the family's gating and vocabulary)."""
     for key in ("layers", "hidden", "heads"):
         if m.get(key) is None:
             raise SpecError(f"model.{key}", "not given by the source")
@@ -211,68 +225,104 @@ def case_from_row(row: dict) -> RowCase:
                    filled=filled, measured_tokens_per_s_per_gpu=measured)
 
 
-def _row_result(row: dict, params: EfficiencyParams) -> dict:
-    rid = row.get("id", "?")
-    res = {"id": rid, "measured_tokens_per_s_per_gpu": None, "predicted_tokens_per_s_per_gpu": None,
-           "predicted_step_time_s": None, "predicted_fits": None, "predicted_memory_gb": None,
-           "error_pct": None, "skipped": None, "usable": bool(row.get("usable")),
-           "moe": bool((row.get("model") or {}).get("num_experts")), "filled": [], "plan": None,
-           "group": (row.get("source") or {}).get("group")}
+def measured_value(x) -> tuple[float | None, str | None]:
+    """A measured figure as a finite positive float, else None and the reason (a NaN, an infinity,
+    a string or a zero in one row must not turn a MAPE into NaN)."""
+    if x is None:
+        return None, "not given by the source"
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None, f"not a number ({str(x)[:40]!r})"
+    if not math.isfinite(x) or x <= 0:
+        return None, f"not a finite positive number ({x!r})"
+    return float(x), None
+
+
+def rules_broken(problem: Problem, fixed: dict) -> list[dict]:
+    """Why no completion of a published plan is legal: the rules that reject every combination of
+    its unknown knobs ({rule, reason}), else the rules that reject the most (they fail jointly)."""
+    rules = binding_rules(problem, fixed)
+    always = [r for r in rules if r[1] >= 1.0]
+    return [{"rule": name, "share_rejected": round(frac, 4), "reason": why}
+            for name, frac, why in (always or rules[:3])]
+
+
+def _empty_result(rid, skipped=None) -> dict:
+    return {"id": rid, "measured_tokens_per_s_per_gpu": None, "predicted_tokens_per_s_per_gpu": None,
+            "predicted_step_time_s": None, "predicted_fits": None, "predicted_memory_gb": None,
+            "error_pct": None, "skipped": skipped, "not_in_space": None, "usable": False, "moe": False,
+            "filled": [], "plan": None, "group": None, "gpu": None}
+
+
+def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None = None) -> dict:
+    hw = row.get("hardware") if isinstance(row.get("hardware"), dict) else {}
+    model = row.get("model") if isinstance(row.get("model"), dict) else {}
+    res = _empty_result(row.get("id", "?"))
+    res.update(usable=bool(row.get("usable")), moe=bool(model.get("num_experts")), gpu=hw.get("gpu_key"),
+               group=(row.get("source") or {}).get("group") if isinstance(row.get("source"), dict) else None)
+    if calibration_gpu is not None and str(hw.get("gpu_key")).lower() != str(calibration_gpu).lower():
+        res["skipped"] = (f"calibration: fitted for GPU {calibration_gpu!r}, this run is on "
+                          f"{hw.get('gpu_key')!r} (not applied to another GPU's runs)")
+        return res
     try:
         case = case_from_row(row)
     except (SpecError, ValueError, TypeError, KeyError) as exc:
         res["skipped"] = str(exc)
         return res
-    res["measured_tokens_per_s_per_gpu"] = case.measured_tokens_per_s_per_gpu
     res["filled"] = case.filled
-    if case.measured_tokens_per_s_per_gpu is None:
-        res["skipped"] = "measured.tokens_per_s_per_gpu: not given by the source"
+    meas, why = measured_value(case.measured_tokens_per_s_per_gpu)
+    res["measured_tokens_per_s_per_gpu"] = meas
+    if meas is None:
+        res["skipped"] = f"measured.tokens_per_s_per_gpu: {why}"
         return res
     try:
         result = exhaustive(case.problem, params, top_k=1, fixed=case.fixed)
         best = result.best
     except NothingFits as exc:
         best = exc.closest
-    except NoLegalPlan as exc:
-        res["skipped"] = f"published plan is not in the legal space: {exc}"
+    except NoLegalPlan:
+        broken = rules_broken(case.problem, case.fixed)
+        res["not_in_space"] = broken
+        res["skipped"] = ("published plan is not in the legal space: "
+                          + "; ".join(f"{b['rule']}: {b['reason']}" for b in broken))
         return res
     pred = best["tokens_per_s_per_gpu"]
-    meas = case.measured_tokens_per_s_per_gpu
     res.update(predicted_tokens_per_s_per_gpu=pred, predicted_step_time_s=best["step_time_s"],
                predicted_fits=best["fits"], predicted_memory_gb=best["memory_gb"]["total"],
-               error_pct=100.0 * (pred - meas) / meas, plan=best["plan"])
+               error_pct=100.0 * (pred - meas) / meas if math.isfinite(pred) else None, plan=best["plan"])
+    if res["error_pct"] is None:
+        res["skipped"] = f"the cost model predicted {pred!r} tokens/s (not finite)"
     return res
 
 
-def validate_rows(rows: list, params: EfficiencyParams | None = None, only_usable: bool = True) -> dict:
-    """Predict every row; a row never raises. MAPE over the scored rows."""
+def validate_rows(rows: list, params: EfficiencyParams | None = None, only_usable: bool = True,
+                  calibration_gpu: str | None = None) -> dict:
+    """Predict every row; a row never raises. MAPE over the scored rows. With `calibration_gpu`
+    (the GPU a calibration file was fitted for), rows on other GPUs are skipped, saying so."""
     params = params or EfficiencyParams()
     runs = []
     for row in rows:
         if not isinstance(row, dict):
-            runs.append({"id": "?", "skipped": f"not a JSON object: {str(row)[:40]!r}",
-                         "measured_tokens_per_s_per_gpu": None, "predicted_tokens_per_s_per_gpu": None,
-                         "predicted_step_time_s": None, "predicted_fits": None,
-                         "predicted_memory_gb": None, "error_pct": None})
+            runs.append(_empty_result("?", f"not a JSON object: {str(row)[:40]!r}"))
             continue
         if only_usable and not row.get("usable", True):
-            r = _row_result({"id": row.get("id"), "hardware": {}, "plan": {}, "model": {}}, params)
-            r["skipped"] = "not usable (see the row's notes)"
-            r["usable"] = False
-            runs.append(r)
+            runs.append(_empty_result(row.get("id"), "not usable (see the row's notes)"))
             continue
         try:
-            runs.append(_row_result(row, params))
+            runs.append(_row_result(row, params, calibration_gpu))
         except Exception as exc:   # a row never crashes the command
-            runs.append({"id": row.get("id", "?"), "skipped": f"internal error: {exc}",
-                         "measured_tokens_per_s_per_gpu": None, "predicted_tokens_per_s_per_gpu": None,
-                         "predicted_step_time_s": None, "predicted_fits": None,
-                         "predicted_memory_gb": None, "error_pct": None})
+            runs.append(_empty_result(row.get("id", "?"), f"internal error: {exc}"))
     return summarize(runs)
 
 
+def _error_figures(errs: list) -> dict:
+    return {"n": len(errs), "mape_pct": float(np.mean(errs)) if errs else None,
+            "max_abs_error_pct": float(np.max(errs)) if errs else None}
+
+
 def summarize(runs: list) -> dict:
-    errs = [abs(r["error_pct"]) for r in runs if r.get("error_pct") is not None]
+    scored = [r for r in runs if r.get("error_pct") is not None and math.isfinite(r["error_pct"])]
+    errs = [abs(r["error_pct"]) for r in scored]
+    not_in_space = [{"id": r["id"], "rules": r["not_in_space"]} for r in runs if r.get("not_in_space")]
     out = {
         "runs": runs,
         "mape_pct": float(np.mean(errs)) if errs else None,
@@ -280,12 +330,20 @@ def summarize(runs: list) -> dict:
         "n_scored": len(errs),
         "n_skipped": sum(1 for r in runs if r.get("skipped")),
         "n_predicted_oom": sum(1 for r in runs if r.get("predicted_fits") is False),
+        "n_not_in_space": len(not_in_space),
+        "not_in_space": not_in_space,
     }
     for label, pick in (("dense", lambda r: not r.get("moe")), ("moe", lambda r: r.get("moe"))):
-        e = [abs(r["error_pct"]) for r in runs if r.get("error_pct") is not None and pick(r)]
+        e = [abs(r["error_pct"]) for r in scored if pick(r)]
         out[f"mape_{label}_pct"] = float(np.mean(e)) if e else None
         out[f"max_abs_error_{label}_pct"] = float(np.max(e)) if e else None
         out[f"n_scored_{label}"] = len(e)
+    for key, of in (("by_source", lambda r: r.get("group") or "?"),
+                    ("by_gpu_generation", lambda r: gpu_generation(r.get("gpu")))):
+        groups: dict = {}
+        for r in scored:
+            groups.setdefault(of(r), []).append(abs(r["error_pct"]))
+        out[key] = {g: _error_figures(e) for g, e in sorted(groups.items())}
     return out
 
 
@@ -296,3 +354,33 @@ def load_runs(path: str) -> list:
     if not isinstance(data, list):
         raise SpecError("FILE", f"{path} must hold a list of runs")
     return data
+
+
+def validate_runs(file: str | None = None, *, dataset: str | None = None, params: EfficiencyParams | None = None,
+                  calibration: str | None = None, only_usable: bool = True) -> dict:
+    """`autotune validate`: the runs of FILE or of a bundled dataset (`public`, `small-scale`),
+    predicted with the defaults or a calibration file. A calibration fitted for one GPU is applied to
+    that GPU's runs only (the others are skipped, saying so); one for a GPU no run uses is refused."""
+    from .datasets import dataset_path
+    if (file is None) == (dataset is None):
+        raise SpecError("FILE", "give a runs file or --dataset public|small-scale (one of them)")
+    path = dataset_path(dataset) if dataset is not None else file
+    rows = load_runs(path)
+    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise SpecError("FILE", f"{path}: run {bad} is not a JSON object (got {type(rows[bad]).__name__})")
+    cal_gpu, source = None, "defaults"
+    if calibration:
+        from .measurements import read_calibration
+        params, doc = read_calibration(calibration)
+        source = calibration
+        cal_gpu = doc.get("gpu")
+        if cal_gpu is not None:
+            gpus = sorted({str((r.get("hardware") or {}).get("gpu_key")) for r in rows
+                           if isinstance(r.get("hardware"), dict)})
+            if str(cal_gpu).lower() not in [g.lower() for g in gpus]:
+                raise SpecError("calibration", f"{calibration} was fitted for GPU {cal_gpu!r}, but no run of "
+                                f"{path} is on it (GPUs there: {', '.join(gpus) or 'none'})")
+    out = validate_rows(rows, params, only_usable=only_usable, calibration_gpu=cal_gpu)
+    out.update(source=dataset or file, calibration=source, calibration_gpu=cal_gpu)
+    return out

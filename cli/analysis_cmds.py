@@ -109,6 +109,10 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1f}%"
 
 
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
 def calibrate_cmd(
     measurements: Annotated[Optional[str], typer.Argument(metavar="MEASUREMENTS", help="Runs file (schema: shared/validation/README.md).")] = None,
     gpu: Annotated[Optional[str], typer.Option("--gpu", help="Fit on the runs of this GPU preset only.")] = None,
@@ -162,6 +166,18 @@ def calibrate_cmd(
     t.add_row("train", str(f["n_train"]), _fmt(f["mape_train_before_pct"]), _fmt(f["mape_train_after_pct"]))
     t.add_row("held out", str(f["n_holdout"]), _fmt(f["mape_holdout_before_pct"]), _fmt(f["mape_holdout_after_pct"]))
     con.print(t)
+    pt = Table(title="Fitted parameters vs their literature priors (LITERATURE_PRIOR, PARAM_BOUNDS)",
+               title_justify="left")
+    for col in ("parameter", "prior", "bound", "start", "fitted", "x prior", "flag"):
+        pt.add_column(col, justify="left" if col in ("parameter", "bound", "flag") else "right", overflow="fold")
+    for e in doc.get("parameters", []):
+        lo, hi = e["bound"]
+        pt.add_row(e["name"], _num(e["prior"]), "-" if lo is None else f"[{lo:.4g}, {hi:.4g}]", _num(e["start"]),
+                   _num(e["fitted"]), "-" if e["ratio_to_prior"] is None else f"{e['ratio_to_prior']:.2f}",
+                   "; ".join(e["flags"]) or "-")
+    con.print(pt)
+    for w in doc.get("warnings", []):
+        con.print(Text(f"warning: {w}"))
     con.print(Text(f"Calibration written to {out}"))
     return EXIT_OK
 

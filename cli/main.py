@@ -31,7 +31,6 @@ from autotune.report import (TIME_LABELS, add_sensitivity, extras_text, plan_tex
                              search_report, uses_extras)
 from autotune.scoring import enable_compile_cache
 from autotune.search import NothingFits
-from autotune.validate import load_runs, validate_rows
 from cli import optuna_cmds
 from costmodels.specs import SpecError
 
@@ -390,24 +389,20 @@ def predict(
 
 @app.command()
 def validate(
-    file: Annotated[str, typer.Argument(metavar="FILE", help="Runs file (schema: shared/validation/README.md).")],
+    file: Annotated[Optional[str], typer.Argument(metavar="FILE", help="Runs file (schema: shared/validation/README.md).")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="A bundled dataset instead of FILE: public or small-scale.")] = None,
     as_json: JsonOpt = False,
     all_rows: Annotated[bool, typer.Option("--all", help="Also predict rows marked usable=false.")] = False,
     calibration: CalibrationOpt = None,
 ) -> int:
     """Predict published, measured runs and report the error per run and the MAPE."""
-    params, _ = api.load_params(calibration)
-    rows = load_runs(file)
-    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
-    if bad is not None:
-        raise SpecError("FILE", f"{file}: run {bad} is not a JSON object (got {type(rows[bad]).__name__})")
-    with _spinner(f"Predicting {len(rows)} runs...", enabled=not as_json):
-        summary = validate_rows(rows, params, only_usable=not all_rows)
+    with _spinner("Predicting runs...", enabled=not as_json):
+        summary = api.validate(file, dataset=dataset, calibration=calibration, only_usable=not all_rows)
     if as_json:
         _print_json(summary)
         return EXIT_OK
     con = _stdout_console()
-    table = Table(title=f"Predicted vs measured tokens/s per GPU: {file}", title_justify="left")
+    table = Table(title=f"Predicted vs measured tokens/s per GPU: {summary['source']}", title_justify="left")
     for col in ("id", "measured tok/s/GPU", "predicted", "error %", "fits", "filled knobs", "skipped reason"):
         table.add_column(col, justify="right" if col in ("measured tok/s/GPU", "predicted", "error %") else "left",
                          overflow="fold")
@@ -424,7 +419,14 @@ def validate(
                    f"({summary.get('n_scored_dense', 0)} runs), {_pct(summary.get('mape_moe_pct'))} MoE "
                    f"({summary.get('n_scored_moe', 0)} runs); max abs error {_pct(summary['max_abs_error_pct'])}; "
                    f"{summary['n_scored']} scored, {summary['n_skipped']} skipped, "
-                   f"{summary.get('n_predicted_oom', 0)} predicted not to fit."))
+                   f"{summary.get('n_predicted_oom', 0)} predicted not to fit, "
+                   f"{summary.get('n_not_in_space', 0)} not in the legal space."))
+    for r in summary.get("not_in_space", []):
+        rules = "; ".join(f"{b['rule']}: {b['reason']}" for b in r["rules"])
+        con.print(Text(f"  not in the legal space: {r['id']}: {rules}"))
+    if summary.get("calibration_gpu"):
+        con.print(Text(f"Calibration {summary['calibration']} (fitted for {summary['calibration_gpu']}) applied to "
+                       f"that GPU's runs only; the others are skipped."))
     return EXIT_OK
 
 

@@ -17,10 +17,11 @@ from typer.main import get_command
 from typer.testing import CliRunner
 
 from autotune import __version__
+from autotune.datasets import dataset_path
 from cli.main import app
 
 REPO = Path(__file__).resolve().parents[1]
-PUBLIC_RUNS = REPO.parent / "shared" / "validation" / "public_runs.json"
+PUBLIC_RUNS = Path(dataset_path("public"))        # the bundled copy of shared/validation/public_runs.json
 
 SMALL = ["--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "64", "--seq-len", "4096"]
 PLAN_KNOBS = {"tp", "pp", "dp", "cp", "ep", "etp", "vpp", "mbs", "recompute", "recompute_modules", "sp", "zero",
@@ -63,7 +64,7 @@ SURFACE = {
                                  "--seed", "--objective", "--storage", "--study", "--batch-size",
                                  "--sensitivity", "--no-sensitivity"},
     "predict": PROBLEM_OPTIONS | {"--plan"},
-    "validate": {"file", "--json", "--all", "--calibration"},
+    "validate": {"file", "--dataset", "--json", "--all", "--calibration"},
     "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
                 "--intra-node-bw", "--inter-node-bw", "--memory-limit-gb", "--json", "--calibration"},
     "calibrate": {"measurements", "--gpu", "--out", "-o", "--holdout-frac", "--seed", "--rounds", "--steps",
@@ -247,8 +248,6 @@ VALIDATION_IDS = ("nemo-24.07-LLAMA3-8B-8g-pre", "nemo-24.07-LLAMA2-7B-8g-pre", 
 
 @pytest.fixture(scope="module")
 def runs_file(tmp_path_factory):
-    if not PUBLIC_RUNS.exists():            # the same skip as test_validation / test_space
-        pytest.skip(f"{PUBLIC_RUNS} not found (the shared validation data sits next to the repository)")
     rows = {r["id"]: r for r in json.loads(PUBLIC_RUNS.read_text())}
     picked = [rows[i] for i in VALIDATION_IDS]
     broken = json.loads(json.dumps(picked[0]))
@@ -290,6 +289,19 @@ def test_validate_human(runs_file, validate_json):
 
 def test_validate_missing_file(tmp_path):
     assert_one_line_error(run("validate", tmp_path / "nope.json"), 2, "FILE", "nope.json")
+
+
+def test_validate_bundled_dataset():
+    result = run("validate", "--dataset", "public", "--json")
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    out = json.loads(result.stdout)
+    assert out["source"] == "public" and out["n_not_in_space"] == 0 and out["n_scored"] > 0
+
+
+def test_validate_needs_a_file_or_a_dataset(runs_file):
+    assert_one_line_error(run("validate"), 2, "FILE", "--dataset")
+    assert_one_line_error(run("validate", runs_file, "--dataset", "public"), 2, "FILE", "one of them")
+    assert_one_line_error(run("validate", "--dataset", "private"), 2, "dataset", "public or small-scale")
 
 
 def test_validate_invalid_json(tmp_path):

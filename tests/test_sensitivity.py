@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from autotune import api
 from costmodels.plan import Plan, format_plan
 from autotune import sensitivity as S
+from autotune.datasets import dataset_path
 from autotune.measurements import (calibration_for_gpu, log_summary, parse_megatron_log, read_calibration,
                                    read_megatron_log, write_calibration)
 from autotune.scoring import Inputs
@@ -228,7 +229,7 @@ def test_whatif_json():
     assert rows[1]["best"]["step_time_s"] <= rows[0]["best"]["step_time_s"]     # H200: more HBM bandwidth
 
 
-PUBLIC_RUNS = Path(__file__).resolve().parents[2] / "shared" / "validation" / "public_runs.json"
+PUBLIC_RUNS = Path(dataset_path("public"))     # the bundled copy of shared/validation/public_runs.json
 
 
 @pytest.mark.skipif(not PUBLIC_RUNS.exists(), reason="public runs not present")

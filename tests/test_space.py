@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 
 from autotune.api import build_problem
+from autotune.datasets import dataset_path
 from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, modules_of_mask
 from costmodels.presets import build_cluster
 from costmodels.specs import FrameworkSpec, JobSpec, ModelSpec, Recompute, SpecError
 from search_spaces.space import (RULES, Problem, check_plan, check_rows, count_legal, domains,
                                  enumerate_legal)
 
-RUNS_FILE = Path(__file__).resolve().parents[2] / "shared" / "validation" / "public_runs.json"
+RUNS_FILE = Path(dataset_path("public"))      # the bundled copy of shared/validation/public_runs.json
 
 # ---------------------------------------------------------------------------------------------
 # Small problems whose every rule can be broken by hand

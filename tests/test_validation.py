@@ -1,23 +1,33 @@
-"""Golden tests against published, measured training runs (shared/validation).
+"""Golden tests against published, measured training runs (the bundled copy of shared/validation).
 
 These fail when the cost model drifts: the accuracy targets of the core issue, no false
-out-of-memory call on a run that really ran, and search optimality on the published problems.
+out-of-memory call on a run that really ran, every published plan inside the legal space, and
+search optimality on the published problems. The data ship with the package (autotune/data/), so
+these run in any clone; tests/test_datasets.py keeps the copy equal to ../shared/validation.
 """
 from __future__ import annotations
 
+import copy
 import json
-import os
+import math
+import re
 
 import pytest
 
+from autotune import api
+from autotune.datasets import dataset_path
 from autotune.search import exhaustive
-from autotune.validate import case_from_row, load_runs, validate_rows
+from autotune.validate import case_from_row, load_runs, model_from_row, validate_rows
+from costmodels.specs import SpecError
 
-VALIDATION = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "validation")
-PUBLIC = os.path.join(VALIDATION, "public_runs.json")
-SMALL = os.path.join(VALIDATION, "small_scale_runs.json")
+PUBLIC = dataset_path("public")
+SMALL = dataset_path("small-scale")
+PUBLIC_ROWS = load_runs(PUBLIC)
+_LORA = re.compile(r"\blora\b", re.I)
 
-needs_data = pytest.mark.skipif(not os.path.exists(PUBLIC), reason="shared/validation not present")
+
+def _row(row_id: str) -> dict:
+    return copy.deepcopy(next(r for r in PUBLIC_ROWS if r["id"] == row_id))
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +35,6 @@ def public_result():
     return validate_rows(load_runs(PUBLIC))
 
 
-@needs_data
 def test_dense_public_runs_accuracy(public_result):
     dense = [r for r in public_result["runs"] if r.get("error_pct") is not None and not r["moe"]]
     assert len(dense) >= 40
@@ -33,14 +42,12 @@ def test_dense_public_runs_accuracy(public_result):
     assert public_result["max_abs_error_dense_pct"] <= 30.0
 
 
-@needs_data
 def test_every_scored_published_run_is_predicted_to_fit(public_result):
     scored = [r for r in public_result["runs"] if r.get("error_pct") is not None]
     assert scored and all(r["predicted_fits"] for r in scored), \
         [r["id"] for r in scored if not r["predicted_fits"]]
 
 
-@needs_data
 def test_usable_rows_are_scored_or_skipped_with_a_reason(public_result):
     for r in public_result["runs"]:
         assert (r["error_pct"] is None) == (r["skipped"] is not None), r["id"]
@@ -48,21 +55,43 @@ def test_usable_rows_are_scored_or_skipped_with_a_reason(public_result):
             assert isinstance(r["skipped"], str) and r["skipped"]
 
 
-@needs_data
+def test_moe_public_runs_accuracy(public_result):
+    # a regression guard at today's level (36.4 % MAPE over 51 MoE runs); issue 11's target is 15 %
+    assert public_result["n_scored_moe"] == sum(1 for r in PUBLIC_ROWS if r["usable"] and r["model"]["num_experts"])
+    assert public_result["mape_moe_pct"] <= 40.0
+
+
+def test_every_usable_published_run_is_scored_and_inside_the_legal_space(public_result):
+    # counted from the data: the usable rows less the LoRA fine-tuning runs (not modeled yet)
+    expected = [r["id"] for r in PUBLIC_ROWS if r["usable"] and not _LORA.search(r["id"])]
+    scored = [r["id"] for r in public_result["runs"] if r["error_pct"] is not None]
+    assert scored == expected
+    assert public_result["n_not_in_space"] == 0, public_result["not_in_space"]
+    assert public_result["n_predicted_oom"] == 0
+
+
+def test_public_errors_by_source_and_gpu_generation_add_up(public_result):
+    for key in ("by_source", "by_gpu_generation"):
+        groups = public_result[key]
+        assert sum(g["n"] for g in groups.values()) == public_result["n_scored"]
+        assert max(g["max_abs_error_pct"] for g in groups.values()) == pytest.approx(public_result["max_abs_error_pct"])
+    assert set(public_result["by_gpu_generation"]) <= {"A100", "H100/H200/H800", "B200/B300", "GB200/GB300"}
+
+
 def test_small_scale_runs_accuracy():
     out = validate_rows(load_runs(SMALL))
-    assert out["n_scored"] == len(out["runs"])          # every vTrain plan is in the legal space
+    assert out["n_scored"] == len(out["runs"]) == 720    # every vTrain plan is in the legal space
+    assert out["n_not_in_space"] == 0
     assert out["mape_pct"] <= 30.0
     assert out["n_predicted_oom"] == 0
 
 
-@needs_data
 @pytest.mark.parametrize("row_id", [
     "narayanan21-t2-ptdp-175B-384gpu", "narayanan21-t1-529.6B", "nemo-24.07-LLAMA3-70B-64g-pre",
     "nemo-24.07-GPT3-175B-512g-pre", "nemotron4-15B-dp96", "nemo-24.07-LLAMA2-13B-16g-pre",
 ])
 def test_search_beats_or_matches_the_published_plan(row_id):
-    row = next(r for r in load_runs(PUBLIC) if r["id"] == row_id)
+    row = _row(row_id)
     case = case_from_row(row)
     published = exhaustive(case.problem, top_k=1, fixed=case.fixed).best
     free = exhaustive(case.problem, top_k=1).best
@@ -78,3 +107,77 @@ def test_validate_never_crashes_on_bad_rows(tmp_path):
     path = tmp_path / "runs.json"
     path.write_text(json.dumps(rows[:2]))
     assert len(load_runs(str(path))) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 10: a row's own fields win over a preset's; defects that must not spoil a whole validation
+# ---------------------------------------------------------------------------------------------
+
+def test_a_preset_fills_only_what_agrees_with_the_row():
+    # 96 layers and hidden 12288 like GPT-3 175B, but 128 heads and no KV-head count: another model,
+    # so the preset's 96 KV heads must not be taken (MHA: KV heads = heads)
+    row = _row("narayanan21-t2-ptdp-175B-384gpu")
+    row["model"].update(heads=128, kv_heads=None)
+    spec = model_from_row(row["model"])
+    assert (spec.num_attention_heads, spec.num_kv_heads) == (128, 128)
+    out = validate_rows([row])
+    assert out["n_scored"] == 1, out["runs"][0]["skipped"]
+
+
+def test_a_row_matches_the_preset_of_its_own_dimensions():
+    # Llama 3 8B has Llama 2 7B's layers and hidden size but 8 KV heads and a 14336 FFN
+    row = next(r for r in PUBLIC_ROWS if r["model"]["name"].startswith("Llama 3 8B"))
+    spec = model_from_row(row["model"])
+    assert (spec.num_kv_heads, spec.ffn_hidden_size, spec.vocab_size) == (8, 14336, 128256)
+    assert spec.gated_mlp
+    # Nemotron-3 8B (ffn 16384 = 4h, squared ReLU, 256k vocabulary; NeMo's Nemotron3Config8B) is no
+    # Llama 2 7B although the layers and hidden size agree: the family's facts apply
+    nemotron = model_from_row(_row("nemo-24.07-Nemotron-8B-64g-pre")["model"])
+    assert not nemotron.gated_mlp and nemotron.vocab_size == 256000 and nemotron.ffn_hidden_size == 16384
+
+
+def test_a_published_plan_outside_the_legal_space_is_counted_with_its_rule():
+    row = _row("narayanan21-t1-1.7B")        # 24 heads, 32 GPUs
+    row["plan"].update(tp=16, dp=2)          # 16 does not divide 24 heads
+    good = _row("narayanan21-t1-1.7B")
+    out = validate_rows([good, row])
+    assert out["n_scored"] == 1 and out["n_not_in_space"] == 1
+    (entry,) = out["not_in_space"]
+    assert entry["id"] == row["id"] and [b["rule"] for b in entry["rules"]] == ["tp_heads"]
+    assert "tp_heads" in out["runs"][1]["skipped"] and "num_attention_heads=24" in out["runs"][1]["skipped"]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -5.0, 0, "fast"])
+def test_a_non_finite_measurement_is_skipped_not_averaged(bad):
+    rows = [_row("narayanan21-t1-1.7B"), _row("nemotron4-15B-dp96")]
+    alone = validate_rows(rows[:1])
+    rows[1]["measured"]["tokens_per_s_per_gpu"] = bad
+    out = validate_rows(rows)
+    assert out["n_scored"] == 1 and math.isfinite(out["mape_pct"])
+    assert out["mape_pct"] == pytest.approx(alone["mape_pct"])
+    assert out["runs"][1]["skipped"].startswith("measured.tokens_per_s_per_gpu: not a")
+    json.dumps(out, allow_nan=False)      # the --json output stays strict JSON
+
+
+def test_a_calibration_applies_only_to_its_gpu(tmp_path):
+    rows = [_row("narayanan21-t1-1.7B"), _row("nemo-24.07-LLAMA3-8B-8g-pre")]
+    assert [r["hardware"]["gpu_key"] for r in rows] == ["a100-80gb", "h100"]
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps(rows))
+    cal = tmp_path / "h100.json"
+    cal.write_text(json.dumps({"gpu": "h100", "params": {"gemm_eff_max": 0.7}}))
+    out = api.validate(str(runs), calibration=str(cal))
+    a100, h100 = out["runs"]
+    assert h100["error_pct"] is not None and a100["error_pct"] is None
+    assert "fitted for GPU 'h100'" in a100["skipped"] and "a100-80gb" in a100["skipped"]
+    assert out["calibration_gpu"] == "h100"
+    cal.write_text(json.dumps({"gpu": "b300", "params": {}}))
+    with pytest.raises(SpecError, match="fitted for GPU 'b300'.*no run"):
+        api.validate(str(runs), calibration=str(cal))
+
+
+def test_validate_a_bundled_dataset_by_name():
+    with pytest.raises(SpecError, match="one of them"):
+        api.validate(PUBLIC, dataset="public")
+    with pytest.raises(SpecError, match="dataset"):
+        api.validate(dataset="nope")

@@ -1,30 +1,30 @@
 """Issue 5 benchmark: sensitivity speed, calibration speed, leave-one-source-out cross-validation.
 
-    python tests/benchmarks/bench_sensitivity.py [--runs ../shared/validation/public_runs.json]
+    python tests/benchmarks/bench_sensitivity.py [--runs FILE (default: the bundled public runs)]
 
 1. one plan's sensitivity (jacfwd through the cost model + neighbouring plans) after the first call
    (target < 1 s);
 2. `autotune.calibrate.calibrate` on every usable public run (target < 60 s);
-3. leave-one-source-out: for each source group, fit on all other groups (rounds=1, steps=200) and
-   report the held-out group's MAPE before and after calibration.
+3. leave-one-source-out over the public runs only, before and after calibration (the fuller
+   out-of-sample report, with the small-scale runs, GPU generations and per-run errors, is
+   tests/benchmarks/bench_accuracy.py).
 """
 from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 
 from autotune import api
 from autotune.calibrate import build_cases, calibrate, mape_pct
+from autotune.datasets import dataset_path
 from autotune.search import exhaustive
 from autotune.sensitivity import sensitivity
 from autotune.validate import load_runs
 from costmodels.params import LITERATURE_PRIOR, EfficiencyParams
 
-REPO = Path(__file__).resolve().parents[2]
-RUNS = REPO.parent / "shared" / "validation" / "public_runs.json"
+RUNS = dataset_path("public")      # the bundled copy of shared/validation/public_runs.json
 
 
 def bench_sensitivity() -> None:

@@ -20,10 +20,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from autotune.calibrate import build_cases, calibrate, predict_steps  # noqa: E402
-from autotune.validate import load_runs  # noqa: E402
+from autotune.datasets import load_dataset  # noqa: E402
 from costmodels.params import LITERATURE_PRIOR, EfficiencyParams, params_to_dict  # noqa: E402
 
-VALIDATION = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "validation")
 
 
 def per_source(cases, params) -> dict:
@@ -47,8 +46,7 @@ def main() -> None:
                          "of this fit: the defaults came from a chain of warm-started fits while the "
                          "model grew; from the prior the fit lands in a slightly worse minimum)")
     args = ap.parse_args()
-    rows = load_runs(os.path.join(VALIDATION, "public_runs.json")) + \
-        load_runs(os.path.join(VALIDATION, "small_scale_runs.json"))
+    rows = load_dataset("public") + load_dataset("small-scale")     # the bundled copies of shared/validation
     t0 = time.perf_counter()
     start = LITERATURE_PRIOR if args.start == "prior" else EfficiencyParams()
     fitted, cases = calibrate(rows, start, rounds=2, steps=args.steps, lr=args.lr,

@@ -1,0 +1,47 @@
+"""The measured runs shipped with the package (`autotune/data/`, provenance and licence in its README).
+
+`public` is a copy of shared/validation/public_runs.json (published large-model runs, each row citing
+its source); `small-scale` of shared/validation/small_scale_runs.json (vTrain's Megatron-DeepSpeed
+measurements, MIT licence, copyright 2024 VIA Research Group at KAIST). Bundling them lets any clone
+reproduce the README's accuracy figures: `autotune validate --dataset public`.
+"""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from costmodels.specs import SpecError
+
+#: dataset name -> file under autotune/data/
+DATASETS = {"public": "public_runs.json", "small-scale": "small_scale_runs.json"}
+
+#: GPU generations for leave-one-generation-out evaluation (gpu_key -> generation)
+GPU_GENERATIONS = {
+    "a100-40gb": "A100", "a100-80gb": "A100",
+    "h100": "H100/H200/H800", "h200": "H100/H200/H800", "h800": "H100/H200/H800",
+    "b200": "B200/B300", "b300": "B200/B300",
+    "gb200": "GB200/GB300", "gb300": "GB200/GB300",
+}
+
+
+def gpu_generation(gpu_key: str | None) -> str:
+    return GPU_GENERATIONS.get(str(gpu_key), str(gpu_key))
+
+
+def data_dir() -> Path:
+    return Path(str(resources.files("autotune") / "data"))
+
+
+def dataset_path(name: str) -> str:
+    """The bundled file of a dataset name (`public` or `small-scale`)."""
+    if name not in DATASETS:
+        raise SpecError("dataset", f"unknown dataset {name!r}; choose {' or '.join(DATASETS)}")
+    path = data_dir() / DATASETS[name]
+    if not path.is_file():
+        raise SpecError("dataset", f"the bundled file {path} is missing (a broken install?)")
+    return str(path)
+
+
+def load_dataset(name: str) -> list:
+    from .validate import load_runs
+    return load_runs(dataset_path(name))
