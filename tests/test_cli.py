@@ -58,12 +58,15 @@ def assert_one_line_error(result, code: int, *needles: str) -> str:
 PROBLEM_OPTIONS = {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--gpus-per-node",
                    "--intra-node-bw", "--inter-node-bw", "--cluster", "--memory-limit-gb", "--json",
                    "--calibration"}
+FRAMEWORK_OPTIONS = {"--framework", "--attention-backend", "--tp-comm-overlap", "--no-tp-comm-overlap",
+                     "--grad-reduce-in-bf16", "--grad-reduce-in-fp32", "--fp8-param-gather", "--no-fp8-param-gather",
+                     "--moe-token-dispatcher-type"}
 SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
                                  "--seed", "--objective", "--storage", "--study", "--batch-size",
                                  "--sensitivity", "--no-sensitivity"},
-    "predict": PROBLEM_OPTIONS | {"--plan"},
+    "predict": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
     "validate": {"file", "--dataset", "--json", "--all", "--calibration"},
     "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
                 "--intra-node-bw", "--inter-node-bw", "--memory-limit-gb", "--json", "--calibration"},
