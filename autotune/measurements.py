@@ -16,19 +16,20 @@ Megatron-LM log format (megatron/training/training.py, `training_log` and `repor
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
 import statistics
 
 from costmodels.encode import encode_cluster, encode_job, encode_model
-from costmodels.params import EfficiencyParams, params_from_dict, params_to_dict
+from costmodels.params import PARAM_BOUNDS, EfficiencyParams, params_from_dict, params_to_dict
 from costmodels.plan import Plan
 from costmodels.specs import SpecError
 from search_spaces.space import Problem
 
-from .files import read_json
+from costmodels.files import read_text
+
+from .files import dumps_json, read_json, write_text_atomic
 from .calibrate import DEFAULT_FIT, FitCase, build_cases, calibrate, fit, mape_pct, parameter_report
 
 # ------------------------------------------------------------------------------------------------
@@ -97,12 +98,7 @@ def parse_megatron_log(text: str, path: str = "log") -> dict:
 
 
 def read_megatron_log(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise SpecError("megatron-log", f"cannot read {path}: {exc.strerror or exc}") from None
-    return parse_megatron_log(text, path)
+    return parse_megatron_log(read_text(path, "megatron-log", errors="replace"), path)
 
 
 def log_summary(parsed: dict) -> dict:
@@ -210,22 +206,33 @@ def _honesty(fitted: EfficiencyParams, start: EfficiencyParams) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def write_calibration(doc: dict, path: str) -> None:
-    try:
-        with open(path, "w") as fh:
-            json.dump(doc, fh, indent=2)
-            fh.write("\n")
-    except OSError as exc:
-        raise SpecError("output", f"cannot write {path}: {exc.strerror or exc}") from None
+    write_text_atomic(path, dumps_json(doc) + "\n", "out")
 
 
 def read_calibration(path: str) -> tuple[EfficiencyParams, dict]:
     doc = read_json(path, "calibration")
     if not isinstance(doc, dict) or not isinstance(doc.get("params", {}), dict):
         raise SpecError("calibration", f"{path} must hold an object with a \"params\" object")
+    for name, value in doc.get("params", {}).items():
+        check_param_value(name, value, path)
     try:
         return params_from_dict(doc.get("params", {})), doc
     except (ValueError, TypeError) as exc:
         raise SpecError("calibration", f"{path}: {exc}") from None
+
+
+def check_param_value(name: str, value, path: str) -> None:
+    """A calibration value must be a finite number inside the parameter's physical range
+    (`PARAM_BOUNDS`): `gemm_eff_max: 0` or `mem_fixed_bytes: -1e15` would be silently wrong answers."""
+    field = f"calibration.params.{name}"
+    if name not in PARAM_BOUNDS:
+        raise SpecError(field, f"{path}: unknown parameter; known: {', '.join(PARAM_BOUNDS)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SpecError(field, f"{path}: must be a finite number, got {value!r}")
+    lo, hi = PARAM_BOUNDS[name]
+    slack = 1e-6 * max(abs(lo), abs(hi), 1e-12)           # float rounding of a fitted value at a bound
+    if not lo - slack <= value <= hi + slack:
+        raise SpecError(field, f"{path}: {value!r} is outside the physical range [{lo:g}, {hi:g}]")
 
 
 def calibration_for_gpu(path: str | None, gpu: str) -> tuple[EfficiencyParams, str]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import re
 
@@ -11,6 +10,7 @@ from costmodels.specs import spec_dict
 from search_spaces.space import Problem
 
 from . import __version__
+from .files import dumps_json, write_text_atomic
 
 TIME_LABELS = {
     "compute": "compute", "recompute": "recomputation", "tp_comm": "exposed TP communication",
@@ -156,13 +156,12 @@ def render_markdown(report: dict) -> str:
 
 
 def save_report(report: dict, out_dir: str) -> tuple[str, str]:
-    os.makedirs(out_dir, exist_ok=True)
+    """Write the report as strict JSON (the source of truth) and Markdown under a name no other
+    report holds (concurrent searches into one folder keep every report), each atomically."""
     base = os.path.join(out_dir, report_basename(report))
-    with open(base + ".json", "w") as fh:
-        json.dump(report, fh, indent=2)
-    with open(base + ".md", "w") as fh:
-        fh.write(render_markdown(report))
-    return base + ".json", base + ".md"
+    json_path = write_text_atomic(base + ".json", dumps_json(report) + "\n", "out", exclusive=True)
+    md_path = write_text_atomic(json_path[:-len(".json")] + ".md", render_markdown(report), "out")
+    return json_path, md_path
 
 
 def add_sensitivity(report: dict, problem: Problem, params, memory_limit_gb: float | None = None) -> dict:

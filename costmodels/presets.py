@@ -14,15 +14,14 @@ Public API
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import yaml
 
-from .specs import ClusterSpec, GPUSpec, ModelSpec, SpecError
+from .files import read_mapping
+from .specs import ClusterSpec, GPUSpec, ModelSpec, SpecError, check_size
 
 PRESET_DIR = Path(__file__).with_name("presets")
 CLUSTER_DIR = PRESET_DIR / "clusters"
@@ -43,33 +42,10 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _parse_error(exc: Exception) -> str:
-    """A one-line description of a JSON or YAML syntax error, with its line number."""
-    if isinstance(exc, json.JSONDecodeError):
-        return f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or exc
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return f"{_one_line(problem)}{where}"
-
-
 def _read_mapping(path: Path, field_name: str) -> dict:
-    """Parse a JSON (by suffix) or YAML file whose top level is a mapping."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError(field_name, f"cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise SpecError(field_name, f"cannot read {path}: not a UTF-8 text file") from None
-    kind = "JSON" if path.suffix.lower() == ".json" else "YAML"
-    try:
-        data = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise SpecError(field_name, f"{path} is not valid {kind}: {_parse_error(exc)}") from None
-    if not isinstance(data, dict):
-        raise SpecError(field_name, f"{path} must hold a mapping of fields at the top level, "
-                        f"got {type(data).__name__}")
-    return data
+    """Parse a JSON (by suffix) or YAML file whose top level is a mapping (regular files only, size-
+    bounded, YAML without aliases, duplicate keys refused: `costmodels.files`)."""
+    return read_mapping(path, field_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +258,8 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
     family = _FAMILIES[model_type]
     where = f"{origin} (model_type {model_type})"
     fields_ = _read_fields(cfg, family.keys, where) | family.fixed
+    for name, value in fields_.items():             # before any loop over layers
+        check_size(name, value, "model")
 
     def get(key, default, kind, minimum):
         value = cfg.get(key)
@@ -367,6 +345,9 @@ def resolve_cluster_file(name_or_path: str) -> Path:
 def _positive_int(field_name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise SpecError(field_name, f"must be a positive integer, got {value!r}")
+    size = {"count": "num_sites", "gpus_per_site": "gpus"}.get(field_name.rsplit(".", 1)[-1],
+                                                               field_name.rsplit(".", 1)[-1])
+    check_size(size, value, field_name)
     return value
 
 

@@ -49,16 +49,41 @@ class Recompute(enum.IntEnum):
         raise SpecError(field_name, f"unknown recompute policy {text!r}; choose none, selective or full")
 
 
+#: Upper bounds of every size a user can give (model config, cluster file, flags): far above any
+#: real model or cluster, low enough that products stay exact in float32 / int32 and no loop over
+#: layers, GPUs or nodes runs away (the largest published models have ~128 layers, hidden 18,432,
+#: vocabulary 256k, 256 experts; the largest clusters ~10^5 GPUs; NVLink domains 576 GPUs).
+MAX_SIZE = {
+    "num_layers": 4096, "hidden_size": 2 ** 20, "ffn_hidden_size": 2 ** 22, "num_attention_heads": 2 ** 14,
+    "num_kv_heads": 2 ** 14, "vocab_size": 2 ** 24, "max_seq_len": 2 ** 24, "head_dim": 2 ** 16,
+    "num_experts": 2 ** 16, "experts_per_token": 2 ** 16, "moe_ffn_hidden_size": 2 ** 22,
+    "num_shared_experts": 2 ** 10, "shared_expert_ffn_hidden_size": 2 ** 22, "first_k_dense_layers": 4096,
+    "moe_layer_freq": 4096, "q_lora_rank": 2 ** 20, "kv_lora_rank": 2 ** 20, "qk_nope_head_dim": 2 ** 16,
+    "qk_rope_head_dim": 2 ** 16, "v_head_dim": 2 ** 16,
+    "gpus": 2 ** 24, "nvlink_domain_size": 2 ** 16, "gpus_per_node": 2 ** 16, "num_sites": 2 ** 10,
+    "global_batch": 2 ** 31 - 1, "seq_len": 2 ** 24,
+}
+
+
+def check_size(name: str, value, field_name: str | None = None) -> None:
+    """SpecError (naming `field_name`, default `name`) when a size exceeds MAX_SIZE[name]."""
+    limit = MAX_SIZE.get(name)
+    if limit is not None and isinstance(value, (int, float)) and value > limit:
+        raise SpecError(field_name or name, f"{value:,} is larger than the supported maximum {limit:,}")
+
+
 def _positive(name: str, value, integer: bool = True) -> None:
     if integer and (not isinstance(value, int) or isinstance(value, bool)):
         raise SpecError(name, f"must be a positive integer, got {value!r}")
     if value is None or value <= 0:
         raise SpecError(name, f"must be positive, got {value!r}")
+    check_size(name, value)
 
 
 def _non_negative(name: str, value) -> None:
     if value is None or value < 0:
         raise SpecError(name, f"must be >= 0, got {value!r}")
+    check_size(name, value)
 
 
 @dataclass(frozen=True, kw_only=True)
