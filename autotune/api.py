@@ -1,14 +1,21 @@
-"""The Python API that the CLI and CI scripts call: build a problem, search, predict, validate."""
+"""The Python API that the CLI and CI scripts call: build a problem, search, predict, validate.
+
+JAX is imported by the functions that score (search, predict_plan, load_params, validate), not by
+this module, so building and checking a problem (and every bad-input error) stays fast."""
 from __future__ import annotations
 
-from costmodels.params import EfficiencyParams
+from typing import TYPE_CHECKING
+
 from costmodels.plan import Plan, parse_plan_text
 from costmodels.presets import build_cluster, load_model
 from costmodels.specs import (AttentionBackend, DispatcherType, Framework, FrameworkSpec, JobSpec, Precision,
                               SpecError)
 from search_spaces.space import Problem, check_plan, complete_plan
 
-from .search import SearchResult, exhaustive, predict
+if TYPE_CHECKING:
+    from costmodels.params import EfficiencyParams
+
+    from .search import SearchResult
 
 #: default tokens per optimizer step when --global-batch is omitted (Llama 3 / GPT-3 scale: ~4M)
 DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
@@ -60,6 +67,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
 def load_params(calibration: str | None, gpu: str | None = None) -> tuple[EfficiencyParams, str]:
     """Efficiency parameters: a calibration file if given, else the shipped defaults. With `gpu`,
     a file fitted for another GPU is refused (one-line SpecError naming the fix)."""
+    from costmodels.params import EfficiencyParams
+
     from .measurements import calibration_for_gpu, read_calibration
     if not calibration:
         return EfficiencyParams(), "defaults"
@@ -78,6 +87,7 @@ def plan_from_text(text: str, problem: Problem) -> Plan:
 def search(problem: Problem, *, strategy: str = "exhaustive", top_k: int = 10,
            memory_limit_gb: float | None = None, params: EfficiencyParams | None = None,
            fixed: dict | None = None) -> SearchResult:
+    from .search import exhaustive
     if strategy != "exhaustive":
         raise SpecError("strategy", f"unknown strategy {strategy!r}; choose exhaustive")
     return exhaustive(problem, params, top_k=top_k, memory_limit_gb=memory_limit_gb, fixed=fixed)
@@ -85,6 +95,7 @@ def search(problem: Problem, *, strategy: str = "exhaustive", top_k: int = 10,
 
 def predict_plan(problem: Problem, plan: Plan, *, memory_limit_gb: float | None = None,
                  params: EfficiencyParams | None = None) -> dict:
+    from .search import predict
     return predict(problem, plan, params, memory_limit_gb)
 
 

@@ -100,3 +100,16 @@ def dumps_json(obj) -> str:
     """Strict JSON text (indent 2): non-finite numbers as null, `allow_nan=False` as the backstop;
     values JSON does not know (paths, enums) as their str()."""
     return json.dumps(finite_or_null(obj), indent=2, allow_nan=False, default=str)
+
+
+def writable_dir(path: str) -> bool:
+    """True when files can be created in `path` (made if missing): a probe file, not os.access,
+    which is wrong for read-only mounts and some network file systems."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".probe-", dir=path)
+        os.close(fd)
+        os.unlink(tmp)
+        return True
+    except OSError:
+        return False

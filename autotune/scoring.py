@@ -15,16 +15,18 @@ from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
 from costmodels.specs import SpecError
 from search_spaces.space import Problem
 
+from .files import writable_dir
+
+
 def enable_compile_cache() -> str | None:
     """Keep XLA's compiled scorer on disk between processes (JAX's persistent compilation cache):
     the first run compiles (~2-6 s), later runs load it. AUTOTUNE_JAX_CACHE sets the folder;
     set it to an empty string to disable."""
     import os
     path = os.environ.get("AUTOTUNE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "autotune", "jax"))
-    if not path:
+    if not path or not writable_dir(path):      # a read-only cache would warn on every compile
         return None
     try:
-        os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)   # also the op-by-op kernels of sensitivity
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

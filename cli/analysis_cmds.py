@@ -5,45 +5,22 @@ Errors follow the root group's contract: a SpecError becomes one `error:` line a
 """
 from __future__ import annotations
 
-import json
-import sys
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from autotune import api
-from autotune.measurements import (calibrate_from_log, calibrate_runs, calibration_for_gpu,
-                                   read_megatron_log, write_calibration)
-from autotune.report import plan_text, problem_dict
-from autotune.search import NoLegalPlan, NothingFits, exhaustive
-from autotune.sensitivity import sensitivity
-from autotune.validate import load_runs
+from cli.common import (EXIT_NOTHING_FITS, EXIT_OK, check_problem_options, error_line, print_json, print_table,
+                        stdout_console, thousands)
+from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt,  # noqa: E402
+                         IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt)
 from costmodels.specs import SpecError
 
-EXIT_OK, EXIT_NOTHING_FITS = 0, 3
 
-from cli.options import ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, MemLimitOpt, CalibrationOpt, JsonOpt  # noqa: E402
-
-
-
-def _console() -> Console:
-    con = Console(highlight=False)
-    if not con.is_terminal:
-        con = Console(highlight=False, width=max(con.width, 200))
-    return con
-
-
-def _print_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
-    sys.stdout.flush()
-
-
-def _check_limit(memory_limit_gb: Optional[float]) -> None:
-    if memory_limit_gb is not None and not memory_limit_gb > 0:
-        raise SpecError("memory_limit_gb", f"must be a positive number of GB, got {memory_limit_gb!r}")
+def _change(value) -> str:
+    """A knob value in a sentence: booleans as on/off, like the plan tables."""
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -59,46 +36,56 @@ def explain(
     precision: PrecisionOpt = "bf16",
     plan: Annotated[Optional[str], typer.Option("--plan", help="Plan to explain (default: the best plan of an exhaustive search).")] = None,
     gpus_per_node: GpusPerNodeOpt = None,
-    intra_node_bw: Annotated[Optional[float], typer.Option("--intra-node-bw", help="Intra-node GB/s per GPU per direction.")] = None,
-    inter_node_bw: Annotated[Optional[float], typer.Option("--inter-node-bw", help="Inter-node GB/s per GPU per direction.")] = None,
+    intra_node_bw: IntraBwOpt = None,
+    inter_node_bw: InterBwOpt = None,
+    cluster: ClusterOpt = None,
     memory_limit_gb: MemLimitOpt = None,
     as_json: JsonOpt = False,
     calibration: CalibrationOpt = None,
 ) -> int:
-    """What limits a plan and what would help: elasticities of step time, tokens/s and memory."""
-    _check_limit(memory_limit_gb)
+    """What limits a plan and what would help: elasticities of step time, tokens/s and memory.
+    Exit code 3 when the plan (or, without --plan, every legal plan) does not fit."""
+    from autotune import api
+    from autotune.report import plan_text, problem_dict
+    from autotune.search import exhaustive
+    from autotune.sensitivity import sensitivity
+    from costmodels.plan import Plan
+
+    check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                                 precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
-                                inter_node_bw=inter_node_bw)
-    params, _ = calibration_for_gpu(calibration, problem.cluster.gpu.name)
+                                inter_node_bw=inter_node_bw, cluster_file=cluster)
+    params, _ = api.load_params(calibration, problem.cluster.gpu.name)
     if plan:
         the_plan = api.plan_from_text(plan, problem)
-    else:
-        try:
-            best = exhaustive(problem, params, top_k=1, memory_limit_gb=memory_limit_gb).best
-        except NothingFits as exc:
-            raise SpecError("memory", str(exc)) from None
-        the_plan = api.plan_from_text(",".join(f"{k}={v}" for k, v in best["plan"].items()), problem)
+    else:                                            # NothingFits -> exit 3 at the error boundary
+        the_plan = Plan.from_dict(exhaustive(problem, params, top_k=1, memory_limit_gb=memory_limit_gb).best["plan"])
+    fits = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)
     res = sensitivity(problem, the_plan, params, memory_limit_gb=memory_limit_gb)
+    code = EXIT_OK if fits["fits"] else EXIT_NOTHING_FITS
     if as_json:
-        _print_json({**res, "problem": problem_dict(problem)})
-        return EXIT_OK
-    con = _console()
-    con.print(Text(f"{problem.model.name} on {problem.cluster.num_gpus} x {problem.cluster.gpu.name}, "
-                   f"plan {plan_text(res['plan'])}: {res['step_time_s']:.3f} s per step, "
-                   f"{res['peak_memory_gb']:.1f} GB per GPU."))
-    con.print(Text("What would change the step time (elasticities by jax.jacfwd through the cost model):"))
-    for s in res["sentences"]:
-        con.print(Text(f"  - {s}"))
-    if res.get("neighbours"):
-        t = Table(title="Neighbouring plans (one knob moved)", title_justify="left")
-        for col in ("knob", "change", "step time s", "vs this plan", "memory GB", "fits"):
-            t.add_column(col, justify="right" if col in ("step time s", "vs this plan", "memory GB") else "left")
-        for r in res["neighbours"][:8]:
-            t.add_row(r["knob"], f"{r['from']} -> {r['to']}", f"{r['step_time_s']:.3f}",
-                      f"{r['step_time_change_pct']:+.1f}%", f"{r['memory_gb']:.1f}", "yes" if r["fits"] else "NO")
-        con.print(t)
-    return EXIT_OK
+        print_json({**res, "fits": fits["fits"], "memory_gb": fits["memory_gb"], "problem": problem_dict(problem)})
+    else:
+        con = stdout_console()
+        con.print(Text(f"{problem.model.name} on {problem.cluster.num_gpus:,} x {problem.cluster.gpu.name}, "
+                       f"plan {plan_text(res['plan'])}: {res['step_time_s']:.3f} s per step, "
+                       f"{res['peak_memory_gb']:.1f} GB per GPU ({'fits' if fits['fits'] else 'does NOT fit'})."))
+        con.print(Text("What would change the step time (elasticities by jax.jacfwd through the cost model):"))
+        for s in res["sentences"]:
+            con.print(Text(f"  - {s}"))
+        if res.get("neighbours"):
+            t = Table(title="Neighbouring plans (one knob moved)", title_justify="left")
+            for col in ("knob", "change", "step time s", "vs this plan", "memory GB", "fits"):
+                t.add_column(col, justify="right" if col in ("step time s", "vs this plan", "memory GB") else "left")
+            for r in res["neighbours"][:8]:
+                t.add_row(r["knob"], f"{_change(r['from'])} -> {_change(r['to'])}", f"{r['step_time_s']:.3f}",
+                          f"{r['step_time_change_pct']:+.1f}%", f"{r['memory_gb']:.1f}", "yes" if r["fits"] else "NO")
+            print_table(con, t)
+    if code == EXIT_NOTHING_FITS:
+        mem = fits["memory_gb"]
+        error_line(f"memory: the plan needs {mem['total']:.1f} GB per GPU, {mem['total'] - mem['limit']:.1f} GB "
+                   f"over the {mem['limit']:.1f} GB limit")
+    return code
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,10 +104,10 @@ def calibrate_cmd(
     measurements: Annotated[Optional[str], typer.Argument(metavar="MEASUREMENTS", help="Runs file (schema: shared/validation/README.md).")] = None,
     gpu: Annotated[Optional[str], typer.Option("--gpu", help="Fit on the runs of this GPU preset only.")] = None,
     out: Annotated[Optional[str], typer.Option("--out", "-o", help="Where to write the calibration JSON.")] = None,
-    holdout_frac: Annotated[float, typer.Option("--holdout-frac", help="Share of runs held out to measure the error on unseen runs.")] = 0.2,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the train/held-out split.")] = 0,
-    rounds: Annotated[int, typer.Option("--rounds", help="Plan re-selection rounds.")] = 2,
-    steps: Annotated[int, typer.Option("--steps", help="Adam steps per round.")] = 400,
+    holdout_frac: Annotated[float, typer.Option("--holdout-frac", min=0.0, max=0.9, help="Share of runs held out to measure the error on unseen runs.")] = 0.2,
+    seed: Annotated[int, typer.Option("--seed", min=0, max=2 ** 32 - 1, help="Seed of the train/held-out split.")] = 0,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, max=100, help="Plan re-selection rounds.")] = 2,
+    steps: Annotated[int, typer.Option("--steps", min=1, max=100_000, help="Adam steps per round.")] = 400,
     megatron_log: Annotated[Optional[str], typer.Option("--megatron-log", help="A Megatron-LM training log to fit instead of a runs file.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="With --megatron-log: the model trained.")] = None,
     gpus: GpusOpt = None,
@@ -132,12 +119,18 @@ def calibrate_cmd(
     as_json: JsonOpt = False,
 ) -> int:
     """Fit the efficiency parameters to measured runs (runs file or Megatron-LM log) of one GPU."""
+    from autotune import api
+    from autotune.files import refuse_overwriting_inputs
+    from autotune.measurements import calibrate_from_log, calibrate_runs, read_megatron_log, write_calibration
+    from autotune.validate import load_runs
+
     if not gpu:
         raise SpecError("gpu", "--gpu is required (a calibration is fitted for one GPU)")
     if not out:
         raise SpecError("out", "-o/--out is required (where to write the calibration)")
     if bool(measurements) == bool(megatron_log):
         raise SpecError("MEASUREMENTS", "give either a runs file or --megatron-log, not both or neither")
+    refuse_overwriting_inputs(out, "out", {"MEASUREMENTS": measurements, "--megatron-log": megatron_log})
     if megatron_log:
         missing = [n for n, v in (("--model", model), ("--gpus", gpus), ("--plan", plan)) if not v]
         if missing:
@@ -156,16 +149,16 @@ def calibrate_cmd(
                              source=measurements)
     write_calibration(doc, out)
     if as_json:
-        _print_json(doc)
+        print_json(doc)
         return EXIT_OK
     f = doc["fit"]
-    con = _console()
+    con = stdout_console()
     t = Table(title=f"Calibration for {gpu} ({f['source']})", title_justify="left")
     for col in ("split", "runs", "MAPE before", "MAPE after"):
         t.add_column(col, justify="left" if col == "split" else "right")
     t.add_row("train", str(f["n_train"]), _fmt(f["mape_train_before_pct"]), _fmt(f["mape_train_after_pct"]))
     t.add_row("held out", str(f["n_holdout"]), _fmt(f["mape_holdout_before_pct"]), _fmt(f["mape_holdout_after_pct"]))
-    con.print(t)
+    print_table(con, t)
     pt = Table(title="Fitted parameters vs their literature priors (LITERATURE_PRIOR, PARAM_BOUNDS)",
                title_justify="left")
     for col in ("parameter", "prior", "bound", "start", "fitted", "x prior", "flag"):
@@ -175,7 +168,7 @@ def calibrate_cmd(
         pt.add_row(e["name"], _num(e["prior"]), "-" if lo is None else f"[{lo:.4g}, {hi:.4g}]", _num(e["start"]),
                    _num(e["fitted"]), "-" if e["ratio_to_prior"] is None else f"{e['ratio_to_prior']:.2f}",
                    "; ".join(e["flags"]) or "-")
-    con.print(pt)
+    print_table(con, pt)
     for w in doc.get("warnings", []):
         con.print(Text(f"warning: {w}"))
     con.print(Text(f"Calibration written to {out}"))
@@ -194,51 +187,64 @@ def whatif(
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "bf16",
     inter_node_bw: Annotated[Optional[list[float]], typer.Option("--inter-node-bw", help="Inter-node GB/s per GPU per direction to compare (repeat; default: each GPU's preset).")] = None,
+    intra_node_bw: IntraBwOpt = None,
     gpus_per_node: GpusPerNodeOpt = None,
+    cluster: ClusterOpt = None,
     memory_limit_gb: MemLimitOpt = None,
+    calibration: Annotated[Optional[str], typer.Option("--calibration", help="Efficiency-parameter file, applied to the GPU it was fitted for (the others use the defaults).")] = None,
     as_json: JsonOpt = False,
 ) -> int:
-    """Best plan for the same model and job on several GPUs and fabrics, side by side."""
-    _check_limit(memory_limit_gb)
-    bws = list(inter_node_bw or []) or [None]
-    for b in bws:
-        if b is not None and not b > 0:
-            raise SpecError("inter-node-bw", f"must be a positive GB/s, got {b!r}")
+    """Best plan for the same model and job on several GPUs and fabrics, side by side.
+    Exit code 3 when no variant has a plan that fits."""
+    from autotune import api
+    from autotune.report import plan_text
+    from autotune.search import NothingFits, exhaustive
+
+    check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw,
+                          inter_node_bw=list(inter_node_bw or []))
+    calibrated_gpu = None
+    if calibration:
+        from autotune.measurements import read_calibration
+        calibrated_gpu = str(read_calibration(calibration)[1].get("gpu") or "").lower() or None
     rows = []
     for g in gpu:
-        for bw in bws:
+        for bw in list(inter_node_bw or []) or [None]:
             problem = api.build_problem(model=model, gpu=g, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
-                                        precision=precision, gpus_per_node=gpus_per_node, inter_node_bw=bw)
-            row = {"gpu": problem.cluster.gpu.name,
-                   "inter_node_bw_gbps": problem.cluster.inter_node_bw_bytes_per_s / 1e9,
-                   "best": None, "error": None}
+                                        precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
+                                        inter_node_bw=bw, cluster_file=cluster)
+            name = problem.cluster.gpu.name
+            use_file = calibration if calibration and calibrated_gpu in (None, name.lower()) else None
+            params, source = api.load_params(use_file, name)
+            row = {"gpu": name, "inter_node_bw_gbps": problem.cluster.inter_node_bw_bytes_per_s / 1e9,
+                   "calibration": source, "best": None, "error": None}
             try:
-                row["best"] = exhaustive(problem, None, top_k=1, memory_limit_gb=memory_limit_gb).best
-            except NothingFits as exc:
-                row["error"] = str(exc)
-            except NoLegalPlan as exc:
+                row["best"] = exhaustive(problem, params, top_k=1, memory_limit_gb=memory_limit_gb).best
+            except (NothingFits, SpecError) as exc:      # SpecError: no legal plan on this variant
                 row["error"] = str(exc)
             rows.append(row)
     ref = next((r["best"]["step_time_s"] for r in rows if r["best"]), None)
     for r in rows:
         r["speedup_vs_first"] = ref / r["best"]["step_time_s"] if (r["best"] and ref) else None
+    code = EXIT_OK if ref is not None else EXIT_NOTHING_FITS
     if as_json:
-        _print_json({"variants": rows})
-        return EXIT_OK
-    con = _console()
-    t = Table(title=f"What if: {model}, {gpus} GPUs", title_justify="left")
-    for col in ("GPU", "inter-node GB/s", "best plan", "step s", "tokens/s/GPU", "MFU", "memory GB", "speed-up"):
-        t.add_column(col, justify="left" if col in ("GPU", "best plan") else "right", overflow="fold")
-    for r in rows:
-        b = r["best"]
-        if b is None:
-            t.add_row(r["gpu"], f"{r['inter_node_bw_gbps']:.0f}", r["error"], "-", "-", "-", "-", "-")
-            continue
-        t.add_row(r["gpu"], f"{r['inter_node_bw_gbps']:.0f}", plan_text(b["plan"]), f"{b['step_time_s']:.3f}",
-                  f"{b['tokens_per_s_per_gpu']:,.0f}", f"{b['mfu']:.1%}", f"{b['memory_gb']['total']:.1f}",
-                  f"{r['speedup_vs_first']:.2f}x")
-    con.print(t)
-    return EXIT_OK
+        print_json({"variants": rows})
+    else:
+        con = stdout_console()
+        t = Table(title=f"What if: {model}, {gpus if gpus else 'cluster'} GPUs", title_justify="left")
+        for col in ("GPU", "inter-node GB/s", "best plan", "step s", "tokens/s/GPU", "MFU", "memory GB", "speed-up"):
+            t.add_column(col, justify="left" if col in ("GPU", "best plan") else "right", overflow="fold")
+        for r in rows:
+            b = r["best"]
+            if b is None:
+                t.add_row(r["gpu"], thousands(r["inter_node_bw_gbps"]), r["error"], "-", "-", "-", "-", "-")
+                continue
+            t.add_row(r["gpu"], thousands(r["inter_node_bw_gbps"]), plan_text(b["plan"]), f"{b['step_time_s']:.3f}",
+                      thousands(b["tokens_per_s_per_gpu"]), f"{b['mfu']:.1%}", f"{b['memory_gb']['total']:.1f}",
+                      f"{r['speedup_vs_first']:.2f}x")
+        print_table(con, t)
+    if code == EXIT_NOTHING_FITS:
+        error_line(f"memory: no variant has a plan that fits ({rows[0]['error']})")
+    return code
 
 
 def register(app: typer.Typer) -> None:

@@ -3,91 +3,34 @@
 Each command calls one Python API function and renders what it returns: rich tables for people,
 the API's own dicts as JSON (`--json`) for scripts. Nothing here computes a cost.
 
-Exit codes (the contract of issue 2):
-    0  a plan was found / scored and fits / the validation file was read
-    2  bad input: one line `error: <field>: <reason>` on stderr, never a traceback
-    3  legal plans exist but none fits in memory (the message names the limit and the closest plan)
+Exit codes and the error boundary: `cli/common.py` (0 ok, 2 bad input, 3 nothing fits, one
+`error:` line on stderr, never a traceback). JAX and Optuna are imported inside the commands that
+score, so `--help` and bad-input errors start fast (tests/benchmarks/bench_startup.py).
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import sys
-from typing import Annotated, Any, Optional, Sequence
+from typing import Annotated, Optional
 
 import typer
-from rich import box
-from rich.console import Console
-from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
-from typer import _click as click
-from typer.core import TyperGroup
-from typer.exceptions import Abort
 
-from autotune import __version__, api
-from autotune.report import (TIME_LABELS, add_sensitivity, extras_text, plan_text, problem_dict, save_report,
-                             search_report, uses_extras)
-from autotune.scoring import enable_compile_cache
-from autotune.search import NothingFits
+from autotune import __version__
 from cli import optuna_cmds
+from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineErrors, check_problem_options,
+                        configure_compile_cache, error_line, print_json, print_table, plans_table, spinner,
+                        stdout_console, thousands)
+from cli.options import (  # shared flags
+    ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
+    FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt,
+    framework_options,
+)
 from costmodels.specs import SpecError
-
-EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 2, 3
-
-#: Set to 1 to see the traceback of a ValueError that is not a SpecError (a bug, not bad input).
-DEBUG_ENV = "AUTOTUNE_DEBUG"
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors: one line on stderr, a fixed exit code
-# ---------------------------------------------------------------------------------------------
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _error_line(message: str) -> None:
-    sys.stderr.write(f"error: {_one_line(message)}\n")
-    sys.stderr.flush()
-
-
-class _OneLineErrors(TyperGroup):
-    """The root group: usage errors and SpecErrors become one `error:` line and exit code 2.
-
-    Overriding `main` (not wrapping the app) keeps `cli.main:app` as the console script and makes
-    `typer.testing.CliRunner` see exactly what a user sees.
-    """
-
-    def main(self, args: Optional[Sequence[str]] = None, prog_name: Optional[str] = None,
-             complete_var: Optional[str] = None, standalone_mode: bool = True, **extra: Any) -> Any:
-        try:
-            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                              standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError as exc:      # bare `autotune`: show the help
-            sys.stdout.write(exc.ctx.get_help() + "\n")
-            rv = EXIT_OK
-        except click.exceptions.ClickException as exc:          # missing option, bad int, ...
-            _error_line(exc.format_message())
-            rv = EXIT_BAD_INPUT
-        except Abort:
-            _error_line("aborted")
-            rv = 1
-        except ValueError as exc:                               # SpecError and bad files
-            if os.environ.get(DEBUG_ENV) and not isinstance(exc, SpecError):
-                raise
-            _error_line(str(exc))
-            rv = EXIT_BAD_INPUT
-        code = rv if isinstance(rv, int) else EXIT_OK
-        if standalone_mode:
-            sys.exit(code)
-        return code
-
 
 app = typer.Typer(
     name="autotune",
-    cls=_OneLineErrors,
+    cls=OneLineErrors,
     help="Parallelism auto-tuner for large-model training: score every legal plan with a "
          "vectorized cost model and pick the fastest that fits.",
     pretty_exceptions_enable=False,
@@ -109,95 +52,43 @@ def _root(
                                           help="Print the version and exit.")] = False,
 ) -> None:
     """Parallelism auto-tuner for large-model training."""
-    enable_compile_cache()
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared options (search and predict describe the same problem)
-# ---------------------------------------------------------------------------------------------
-
-from cli.options import (  # noqa: E402  (shared flags)
-    ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
-    FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt,
-    framework_options,
-)
+    configure_compile_cache()
 
 
 def _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
              inter_node_bw, cluster, framework=None):
+    from autotune import api
     return api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                              precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
                              inter_node_bw=inter_node_bw, cluster_file=cluster, framework=framework)
-
-
-def _check_memory_limit(memory_limit_gb: Optional[float]) -> None:
-    # The API reads 0 as "use the GPU's memory"; a limit the user typed must be a positive size.
-    if memory_limit_gb is not None and not memory_limit_gb > 0:
-        raise SpecError("memory_limit_gb", f"must be a positive number of GB, got {memory_limit_gb!r}")
-
-
-def _stdout_console() -> Console:
-    console = Console(highlight=False)
-    if not console.is_terminal:            # pipes and logs: do not squeeze the wide plan table
-        console = Console(highlight=False, width=max(console.width, 200))
-    return console
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
-    sys.stdout.flush()
-
-
-def _spinner(message: str, enabled: bool):
-    """A status spinner on stderr, only when stderr is a terminal (never in --json mode)."""
-    err = Console(stderr=True)
-    return err.status(message) if enabled and err.is_terminal else contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------
 # Rendering
 # ---------------------------------------------------------------------------------------------
 
-def _gb(x: float) -> str:
-    return f"{x:.1f}"
-
-
-def _plans_table(reports: list) -> Table:
-    table = Table(title="Best plans", title_justify="left")
-    extras = uses_extras(reports)
-    for col in ("#", "TP", "PP", "DP", "CP", "EP", "VPP", "MBS", "recompute", "SP", "ZeRO", "step (s)",
-                "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "mem GB", "fits") + (("stages / block recompute",) if extras else ()):
-        table.add_column(col, justify="left" if col in ("recompute", "SP", "fits", "stages / block recompute") else "right")
-    for i, r in enumerate(reports, 1):
-        p = r["plan"]
-        table.add_row(str(i), str(p["tp"]), str(p["pp"]), str(p["dp"]), str(p["cp"]), str(p["ep"]),
-                      str(p["vpp"]), str(p["mbs"]), str(p["recompute"]), "on" if p["sp"] else "off",
-                      str(p["zero"]), f"{r['step_time_s']:.3f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
-                      f"{r['model_tflops_per_gpu']:.0f}", f"{r['mfu']:.1%}", _gb(r["memory_gb"]["total"]),
-                      "yes" if r["fits"] else "no", *((extras_text(p) or "-",) if extras else ()))
-    return table
-
-
-def _print_wide_table(con: Console, table: Table) -> None:
-    """On a terminal too narrow for the bordered table, drop borders and padding and let headers
-    fold over two lines, so no value is cut to an ellipsis."""
-    if Measurement.get(con, con.options.update_width(10_000), table).maximum > con.width:
-        table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0)
-        for column in table.columns:
-            column.overflow = "fold"
-    con.print(table)
+def problem_line(problem) -> str:
+    """The problem solved, in one sentence: model with its parameter count, GPUs, batch, precision."""
+    counts = problem.model.param_counts()
+    params = f"{counts['total'] / 1e9:,.1f} B parameters"
+    if counts["active"] != counts["total"]:
+        params += f", {counts['active'] / 1e9:,.1f} B active"
+    cl, job = problem.cluster, problem.job
+    return (f"{problem.model.name} ({params}) on {cl.num_gpus:,} x {cl.gpu.name} (NVLink domain "
+            f"{cl.nvlink_domain_size}), global batch {job.global_batch:,} x {job.seq_len:,} tokens, "
+            f"{job.precision.value}")
 
 
 def _space_line(space: dict, elapsed_s: float) -> str:
     illegal = space.get("illegal") or {}
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(illegal.items(), key=lambda kv: -kv[1]))
+    reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(illegal.items(), key=lambda kv: -kv[1]))
     n_illegal = sum(illegal.values())
-    return (f"Space: {space['total']} combinations, {space['legal']} legal, {n_illegal} illegal"
-            f"{f' ({reasons})' if reasons else ''}, {space['fitting']} fit in memory, "
-            f"{space['scored']} scored in {elapsed_s:.2f} s.")
+    return (f"Space: {space['total']:,} combinations, {space['legal']:,} legal, {n_illegal:,} illegal"
+            f"{f' ({reasons})' if reasons else ''}, {space['fitting']:,} fit in memory, "
+            f"{space['scored']:,} scored in {elapsed_s:.2f} s.")
 
 
-def _over_limit_line(rep: dict) -> str:
+def over_limit_line(rep: dict) -> str:
     mem = rep["memory_gb"]
     terms = sorted(((k, mem[k]) for k in ("weights", "gradients", "optimizer", "activations", "other")),
                    key=lambda kv: -kv[1])
@@ -207,6 +98,7 @@ def _over_limit_line(rep: dict) -> str:
 
 
 def _time_table(rep: dict) -> Table:
+    from autotune.report import TIME_LABELS
     step = rep["step_time_s"]
     table = Table(title="Time per step", title_justify="left")
     table.add_column("term")
@@ -275,12 +167,22 @@ def search(
         help="Add the best plan's elasticities (jax.jacfwd) to the report (first run in a fresh cache: ~8 s).")] = True,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
-    _check_memory_limit(memory_limit_gb)
+    from autotune import api
+    from autotune.files import check_writable_folder
+    from autotune.report import add_sensitivity, save_report, search_report
+
+    check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
+    if not no_save:
+        check_writable_folder(out, "out")          # before the search, not after it
     given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed, objective,
                                                                       storage, study, batch_size)) if value is not None]
+    problem = None
+    if gpu_count is None or isinstance(gpu_count, int):      # check the input before importing JAX/Optuna
+        problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
+                           inter_node_bw, cluster)
     choice = optuna_cmds.choose(strategy, gpus=gpu_count, objectives=objective, optuna_options=given,
-                                count_legal=lambda: optuna_cmds.legal_count(_problem(
+                                count_legal=lambda: optuna_cmds.legal_count(problem or _problem(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
                                     intra_node_bw, inter_node_bw, cluster)))
     if choice.strategy == "optuna":
@@ -291,34 +193,44 @@ def search(
             calibration=calibration, trials=trials, timeout=timeout, sampler=sampler, seed=seed,
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
             requested=strategy, with_sensitivity=with_sensitivity)
-    problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
-                       inter_node_bw, cluster)
+    from autotune.search import NothingFits
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
-        with _spinner("Scoring every legal plan...", enabled=not as_json):
+        with spinner("Scoring every legal plan...", enabled=not as_json):
             result = api.search(problem, strategy="exhaustive", top_k=top, memory_limit_gb=memory_limit_gb,
                                 params=params)
     except NothingFits as exc:
         if as_json:
-            _print_json({"error": str(exc), "closest": exc.closest, "space": exc.space})
-        _error_line(str(exc))
+            print_json({"error": str(exc), "closest": exc.closest, "space": exc.space})
+        error_line(str(exc))
         return EXIT_NOTHING_FITS
     report = search_report(result, params_source)
     report["strategy_choice"] = {"requested": strategy, **choice.as_dict()}
     if with_sensitivity:
-        with _spinner("Differentiating the best plan...", enabled=not as_json):
+        with spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
-    saved = None
+    saved, save_error = None, None
     if not no_save:
         try:
             saved = save_report(report, out)
-        except OSError as exc:
-            raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
+        except SpecError as exc:                   # the folder went away mid-search: print anyway
+            save_error = str(exc)
     if as_json:
-        _print_json(report)
-        return EXIT_OK
-    con = _stdout_console()
-    _print_wide_table(con, _plans_table(report["top"]))
+        print_json(report)
+    else:
+        _print_search(report, problem, strategy, choice, saved)
+    if save_error:
+        error_line(save_error)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
+    from autotune.report import plan_text
+    con = stdout_console()
+    con.print(Text(problem_line(problem)))
+    print_table(con, plans_table(report["top"]))
+    con.print(Text(f"Best plan as --plan: {plan_text(report['best']['plan'])}"))
     con.print()
     con.print(Text(report["explanation"]))
     con.print()
@@ -330,8 +242,7 @@ def search(
     con.print(Text(_space_line(report["space"], report["elapsed_s"])))
     if strategy != "exhaustive":
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
-    con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved (--no-save)."))
-    return EXIT_OK
+    con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved."))
 
 
 @app.command()
@@ -358,7 +269,10 @@ def predict(
     moe_token_dispatcher_type: DispatcherOpt = None,
 ) -> int:
     """Score one plan and print its time and memory breakdown."""
-    _check_memory_limit(memory_limit_gb)
+    from autotune import api
+    from autotune.report import plan_text, problem_dict
+
+    check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     problem = _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
                        inter_node_bw, cluster, framework_options(framework, attention_backend, tp_comm_overlap,
                                                                  grad_reduce_in_bf16, fp8_param_gather,
@@ -368,22 +282,20 @@ def predict(
     rep = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)
     code = EXIT_OK if rep["fits"] else EXIT_NOTHING_FITS
     if as_json:
-        _print_json({**rep, "problem": problem_dict(problem), "calibration": params_source})
+        print_json({**rep, "problem": problem_dict(problem), "calibration": params_source})
     else:
         mem = rep["memory_gb"]
-        con = _stdout_console()
-        con.print(Text(f"{problem.model.name} on {problem.cluster.num_gpus} x {problem.cluster.gpu.name}, "
-                       f"global batch {problem.job.global_batch} x {problem.job.seq_len} tokens, "
-                       f"{problem.job.precision.value}"))
+        con = stdout_console()
+        con.print(Text(problem_line(problem)))
         con.print(Text(f"Plan {plan_text(rep['plan'])}: {rep['step_time_s']:.3f} s per step, "
-                       f"{rep['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
-                       f"{rep['model_tflops_per_gpu']:.0f} model TFLOP/s per GPU, MFU {rep['mfu']:.1%}, "
+                       f"{thousands(rep['tokens_per_s_per_gpu'])} tokens/s per GPU, "
+                       f"{rep['model_tflops_per_gpu']:,.0f} model TFLOP/s per GPU, MFU {rep['mfu']:.1%}, "
                        f"HFU {rep['hfu']:.1%}; {mem['total']:.1f} of {mem['limit']:.1f} GB per GPU "
                        f"({'fits' if rep['fits'] else 'does NOT fit'})."))
-        con.print(_time_table(rep))
-        con.print(_memory_table(rep))
+        print_table(con, _time_table(rep))
+        print_table(con, _memory_table(rep))
     if not rep["fits"]:
-        _error_line(_over_limit_line(rep))
+        error_line(over_limit_line(rep))
     return code
 
 
@@ -396,12 +308,13 @@ def validate(
     calibration: CalibrationOpt = None,
 ) -> int:
     """Predict published, measured runs and report the error per run and the MAPE."""
-    with _spinner("Predicting runs...", enabled=not as_json):
+    from autotune import api
+    with spinner("Predicting runs...", enabled=not as_json):
         summary = api.validate(file, dataset=dataset, calibration=calibration, only_usable=not all_rows)
     if as_json:
-        _print_json(summary)
+        print_json(summary)
         return EXIT_OK
-    con = _stdout_console()
+    con = stdout_console()
     table = Table(title=f"Predicted vs measured tokens/s per GPU: {summary['source']}", title_justify="left")
     for col in ("id", "measured tok/s/GPU", "predicted", "error %", "fits", "filled knobs", "skipped reason"):
         table.add_column(col, justify="right" if col in ("measured tok/s/GPU", "predicted", "error %") else "left",
@@ -414,7 +327,7 @@ def validate(
                       "-" if r.get("error_pct") is None else f"{r['error_pct']:+.1f}",
                       "-" if fits is None else ("yes" if fits else "NO"),
                       ",".join(r.get("filled") or []) or "-", r.get("skipped") or "")
-    con.print(table)
+    print_table(con, table)
     con.print(Text(f"MAPE {_pct(summary['mape_pct'])} overall, {_pct(summary.get('mape_dense_pct'))} dense "
                    f"({summary.get('n_scored_dense', 0)} runs), {_pct(summary.get('mape_moe_pct'))} MoE "
                    f"({summary.get('n_scored_moe', 0)} runs); max abs error {_pct(summary['max_abs_error_pct'])}; "

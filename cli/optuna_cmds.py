@@ -10,10 +10,8 @@ prints what was found and exits 130. A storage URL's password is never printed.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import sys
-from typing import Annotated, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -21,16 +19,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from autotune import optuna_search as osr
-from autotune import api
+from cli.common import EXIT_INTERRUPTED, EXIT_NOTHING_FITS, EXIT_OK, error_line as _error_line
+from cli.common import plans_table, print_json as _print_json, print_table, stdout_console as _console
 from cli.options import JsonOpt
-from autotune.report import add_sensitivity, extras_text, report_basename, save_report, search_report, uses_extras
-from autotune.search import NothingFits
-from autotune.studies import export_study, list_studies, redact_url, show_study
 from costmodels.specs import SpecError
-from search_spaces.optuna_space import GpuRange, parse_gpus
 
-EXIT_OK, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 3, 130
+if TYPE_CHECKING:                      # imported inside the functions: JAX and Optuna load slowly
+    from autotune import optuna_search as osr
+    from search_spaces.optuna_space import GpuRange
+
+
+def _osr():
+    from autotune import optuna_search
+    return optuna_search
 
 #: search options that only Optuna uses; giving one makes `--strategy auto` pick Optuna
 OPTUNA_OPTIONS = ("--trials", "--timeout", "--sampler", "--seed", "--objective", "--storage", "--study",
@@ -46,23 +47,6 @@ BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", help="Trials as
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampler seed (same seed, same trials).")]
 
 
-def _print_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
-    sys.stdout.flush()
-
-
-def _console() -> Console:
-    con = Console(highlight=False)
-    if not con.is_terminal:
-        con = Console(highlight=False, width=max(con.width, 200))
-    return con
-
-
-def _error_line(message: str) -> None:
-    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
-    sys.stderr.flush()
-
-
 # ------------------------------------------------------------------------------------------------
 # search --strategy optuna | auto
 # ------------------------------------------------------------------------------------------------
@@ -71,13 +55,21 @@ def parse_search_gpus(text: Optional[str]) -> int | GpuRange | None:
     """--gpus of `search`: a count, or a range (256-2048, 256-2048:64, 256-2048:pow2)."""
     if text is None:
         return None
+    from costmodels.specs import check_size
     s = str(text).strip()
-    if s.lstrip("+-").isdigit():
+    if s.isascii() and s.lstrip("+-").isdigit() and len(s) <= 12:
         n = int(s)
         if n <= 0:
             raise SpecError("gpus", f"must be a positive integer, got {n}")
+        check_size("gpus", n)
         return n
-    return parse_gpus(s, "--gpus")
+    if not s.isascii() or len(s) > 40:
+        raise SpecError("gpus", f"expected a GPU count (512) or a range (256-2048, 256-2048:64, "
+                        f"256-2048:pow2), got {s[:20]!r}")
+    from search_spaces.optuna_space import parse_gpus
+    parsed = parse_gpus(s, "--gpus")
+    check_size("gpus", getattr(parsed, "high", parsed))
+    return parsed
 
 
 def legal_count(problem) -> int:
@@ -92,10 +84,11 @@ def choose(strategy: str, *, gpus, objectives, optuna_options: list[str],
     req = str(strategy).strip().lower()
     if req == "exhaustive" and optuna_options:
         raise SpecError(optuna_options[0], "applies to --strategy optuna or auto, not exhaustive")
+    from search_spaces.optuna_space import GpuRange
     if req == "auto" and optuna_options and not isinstance(gpus, GpuRange):
-        osr.choose_strategy("optuna", gpus=gpus, objectives=objectives)      # checks the arguments
-        return osr.StrategyChoice("optuna", f"Optuna options given ({', '.join(optuna_options)})")
-    return osr.choose_strategy(req, gpus=gpus, objectives=objectives, count_legal=count_legal)
+        _osr().choose_strategy("optuna", gpus=gpus, objectives=objectives)      # checks the arguments
+        return _osr().StrategyChoice("optuna", f"Optuna options given ({', '.join(optuna_options)})")
+    return _osr().choose_strategy(req, gpus=gpus, objectives=objectives, count_legal=count_legal)
 
 
 class _ProgressBar:
@@ -132,22 +125,11 @@ class _ProgressBar:
 
 
 def _plans_table(reports: list, title: str = "Best plans found") -> Table:
-    table = Table(title=title, title_justify="left")
-    extras = uses_extras(reports)
-    for col in ("#", "trial", "GPUs", "TP", "PP", "DP", "CP", "EP", "VPP", "MBS", "recompute", "SP", "ZeRO",
-                "step (s)", "tokens/s/GPU", "MFU", "mem GB") + (("stages / block recompute",) if extras else ()):
-        table.add_column(col, justify="left" if col in ("recompute", "SP", "stages / block recompute") else "right")
-    for i, r in enumerate(reports, 1):
-        p = r["plan"]
-        table.add_row(str(i), str(r.get("trial", "")), str(r.get("num_gpus", "")), str(p["tp"]), str(p["pp"]),
-                      str(p["dp"]), str(p["cp"]), str(p["ep"]), str(p["vpp"]), str(p["mbs"]), str(p["recompute"]),
-                      "on" if p["sp"] else "off", str(p["zero"]), f"{r['step_time_s']:.3f}",
-                      f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}", f"{r['memory_gb']['total']:.1f}",
-                      *((extras_text(p) or "-",) if extras else ()))
-    return table
+    return plans_table(reports, title, lead=(("trial", "trial"), ("GPUs", "num_gpus")), fits_column=False)
 
 
 def _pareto_table(front: list, objectives: list) -> Table:
+    from autotune.report import extras_text
     table = Table(title="Pareto front (feasible trials no other trial beats on every objective)",
                   title_justify="left")
     for col in ["#", "trial"] + [f"{o['name']} ({o['direction'][:3]})" for o in objectives] + ["plan"]:
@@ -189,18 +171,18 @@ def _write_plot(report: dict, points: list, out: str) -> None:
     objs = o["objectives"]
     if len(objs) < 2 or not o.get("pareto_front"):
         return
-    lab = {x["name"]: osr.OBJECTIVES[x["name"]].label for x in objs}
+    lab = {x["name"]: _osr().OBJECTIVES[x["name"]].label for x in objs}
     y_name, x_name = objs[0]["name"], objs[1]["name"]
     front = [(f["values"][x_name], f["values"][y_name]) for f in o["pareto_front"]]
     pts = [(p[1], p[0]) for p in points]
     title = f"{report['problem']['model']['name']}: {lab[y_name]} vs {lab[x_name]}"
     if len(objs) > 2:
         title += f" (front of {len(objs)} objectives)"
-    svg = osr.pareto_svg(pts, front, lab[x_name], lab[y_name], title)
+    from autotune.report import report_basename
+    svg = _osr().pareto_svg(pts, front, lab[x_name], lab[y_name], title)
     name = report_basename(report) + "_pareto.svg"
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name), "w") as fh:
-        fh.write(svg)
+    from autotune.files import write_text_atomic
+    write_text_atomic(os.path.join(out, name), svg, "out")
     o["pareto_plot"] = name
 
 
@@ -214,22 +196,26 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       choice: osr.StrategyChoice | None = None, requested: str = "optuna",
                       with_sensitivity: bool = True) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
+    from autotune import api
+    from autotune.report import add_sensitivity, save_report, search_report
+    from autotune.search import NothingFits
+    from search_spaces.optuna_space import GpuRange
     if isinstance(gpus, GpuRange) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
     else:
         gpus_text = str(int(gpus))
-    spec = osr.StudySpec(
+    spec = _osr().StudySpec(
         model=model, gpu=gpu, gpus=gpus_text, global_batch=global_batch, seq_len=seq_len, precision=precision,
         gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw,
         cluster_file=cluster, memory_limit_gb=memory_limit_gb, calibration=calibration,
-        objectives=osr.parse_objectives(objectives or ()), sampler=sampler or osr.DEFAULT_SAMPLER, seed=seed,
-        batch_size=osr.DEFAULT_BATCH if batch_size is None else batch_size)
+        objectives=_osr().parse_objectives(objectives or ()), sampler=sampler or _osr().DEFAULT_SAMPLER, seed=seed,
+        batch_size=_osr().DEFAULT_BATCH if batch_size is None else batch_size)
     if trials is None and timeout is None:
-        trials = osr.DEFAULT_TRIALS
+        trials = _osr().DEFAULT_TRIALS
     label = f"optuna {spec.sampler}: scoring trials"
     try:
         with _ProgressBar(trials, label, enabled=not as_json) as bar:
-            result = osr.optuna_search(spec, n_trials=trials, timeout_s=timeout, storage_url=storage,
+            result = _osr().optuna_search(spec, n_trials=trials, timeout_s=timeout, storage_url=storage,
                                        study_name=study, top_k=top, progress=bar)
     except NothingFits as exc:
         if as_json:
@@ -240,7 +226,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     info = result.extra["optuna"]
     points = info.pop("pareto_points", [])
     report = search_report(result, params_source)
-    report["strategy_choice"] = {"requested": requested, **(choice or osr.StrategyChoice("optuna", "requested")).as_dict()}
+    report["strategy_choice"] = {"requested": requested, **(choice or _osr().StrategyChoice("optuna", "requested")).as_dict()}
     if with_sensitivity and getattr(result, "problem", None) is not None:
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
@@ -294,15 +280,18 @@ def worker(
     timeout: TimeoutOpt = None,
     batch_size: BatchOpt = None,
     seed: SeedOpt = None,
-    stale_after: Annotated[float, typer.Option("--stale-after", help="Fail RUNNING trials older than this "
-                                               "many seconds (left by a dead worker).")] = osr.STALE_AFTER_S,
+    stale_after: Annotated[Optional[float], typer.Option("--stale-after", min=0.0, help="Fail RUNNING trials older "
+                                                         "than this many seconds (left by a dead worker; "
+                                                         "default 600).")] = None,
     as_json: JsonOpt = False,
 ) -> int:
     """Run trials of a shared study: its problem comes from the study; --trials is this worker's share."""
     if trials is None and timeout is None:
         raise SpecError("--trials", "give --trials N (this worker's share) or --timeout SECONDS")
+    if stale_after is None:
+        stale_after = _osr().STALE_AFTER_S
     with _ProgressBar(trials, f"worker on {study}", enabled=not as_json) as bar:
-        out = osr.run_worker(storage, study, n_trials=trials, timeout_s=timeout, batch_size=batch_size, seed=seed,
+        out = _osr().run_worker(storage, study, n_trials=trials, timeout_s=timeout, batch_size=batch_size, seed=seed,
                              stale_after_s=stale_after, progress=bar)
     code = EXIT_INTERRUPTED if out["run"]["interrupted"] else EXIT_OK
     if as_json:
@@ -336,6 +325,7 @@ def studies(
     as_json: JsonOpt = False,
 ) -> int:
     """List the studies of a storage, show one (--study), or export its trials (--export FILE)."""
+    from autotune.studies import export_study, list_studies, redact_url, show_study
     if export and not study:
         raise SpecError("--export", "needs --study NAME")
     if export:

@@ -258,8 +258,8 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
     family = _FAMILIES[model_type]
     where = f"{origin} (model_type {model_type})"
     fields_ = _read_fields(cfg, family.keys, where) | family.fixed
-    for name, value in fields_.items():             # before any loop over layers
-        check_size(name, value, "model")
+    for key, value in fields_.items():              # before any loop over layers
+        check_size(key, value, "model")
 
     def get(key, default, kind, minimum):
         value = cfg.get(key)
