@@ -78,8 +78,15 @@ GPU_PRESETS: dict[str, GPUSpec] = {
 }
 
 
+#: Other names users type for a preset (the H100 preset is the 80 GB SXM part; a100-80gb exists,
+#: so h100-80gb is the name people try first). Resolved to the preset, whose name is kept.
+GPU_ALIASES: dict[str, str] = {"h100-80gb": "h100", "h100-sxm": "h100", "h100-sxm5": "h100",
+                               "h200-141gb": "h200", "b200-180gb": "b200"}
+
+
 def _gpu(name, field_name: str) -> GPUSpec:
     key = str(name).strip().lower()
+    key = GPU_ALIASES.get(key, key)
     if key not in GPU_PRESETS:
         raise SpecError(field_name, f"unknown GPU preset {name!r}; known presets: {', '.join(GPU_PRESETS)}")
     return GPU_PRESETS[key]
@@ -117,6 +124,18 @@ _DECODER: _KeyTable = {
     "tied_embeddings": (("tie_word_embeddings",), False),
     "max_seq_len": (("max_position_embeddings",), None),
 }
+
+# MistralConfig: as Llama, plus sliding_window (4096 in Mistral-7B-v0.1, null from v0.2 on).
+_MISTRAL: _KeyTable = _DECODER | {"sliding_window": (("sliding_window",), 0)}
+
+# GemmaConfig / Gemma2Config / Gemma3TextConfig: gated GeLU MLP (3 matrices), tied embeddings
+# unless the config says otherwise. Gemma-3's published config.json lists only the keys that differ
+# from Gemma3TextConfig's defaults (transformers configuration_gemma3.py), so those defaults apply.
+_GEMMA: _KeyTable = _DECODER | {"tied_embeddings": (("tie_word_embeddings",), True),
+                                "sliding_window": (("sliding_window",), 0)}
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                         "head_dim": 256, "max_position_embeddings": 131_072, "sliding_window": 4096}
 
 # GPT2Config: learned positions, GeLU MLP (2 matrices), input and output embeddings always tied.
 _GPT2: _KeyTable = {
@@ -195,7 +214,10 @@ class _Family:
 _FAMILIES: dict[str, _Family] = {
     "gpt2": _Family(_GPT2, fixed={"gated_mlp": False, "tied_embeddings": True}),
     "llama": _Family(_DECODER),
-    "mistral": _Family(_DECODER),
+    "mistral": _Family(_MISTRAL),
+    "gemma": _Family(_GEMMA),
+    "gemma2": _Family(_GEMMA),
+    "gemma3_text": _Family(_GEMMA),
     "qwen2": _Family(_DECODER),
     "qwen3": _Family(_DECODER),
     "mixtral": _Family(_MIXTRAL),
@@ -251,6 +273,7 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
     origin = source or "config.json"
     if not isinstance(cfg, dict):
         raise SpecError("model", f"{origin} must hold a JSON object, got {type(cfg).__name__}")
+    cfg = _text_config(cfg, origin)
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or model_type not in _FAMILIES:
         got = f"model_type {model_type!r} is not supported" if model_type else "has no 'model_type'"
@@ -276,6 +299,20 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
     if fields_.get("num_experts", 0) == 0:               # dense: drop MoE fields a config may carry
         fields_ = {k: v for k, v in fields_.items() if k not in _MOE_FIELDS}
     return ModelSpec(name=name, source=source, **fields_)
+
+
+def _text_config(cfg: dict, origin: str) -> dict:
+    """The language model's config of a multimodal config.json (Gemma-3, ...: a nested
+    `text_config`), with the defaults of its config class where the file omits keys."""
+    if cfg.get("model_type") in _FAMILIES or not isinstance(cfg.get("text_config"), dict):
+        return cfg
+    text = cfg["text_config"]
+    kind = text.get("model_type") or (f"{cfg['model_type']}_text" if isinstance(cfg.get("model_type"), str) else None)
+    if kind == "gemma3_text":
+        return _GEMMA3_TEXT_DEFAULTS | {k: v for k, v in text.items() if v is not None} | {"model_type": kind}
+    if kind is None:
+        raise SpecError("model", f"{origin}: text_config has no 'model_type'")
+    return text | {"model_type": kind}
 
 
 def _model_name_from_path(path: Path) -> str:

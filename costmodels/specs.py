@@ -59,7 +59,7 @@ MAX_SIZE = {
     "num_experts": 2 ** 16, "experts_per_token": 2 ** 16, "moe_ffn_hidden_size": 2 ** 22,
     "num_shared_experts": 2 ** 10, "shared_expert_ffn_hidden_size": 2 ** 22, "first_k_dense_layers": 4096,
     "moe_layer_freq": 4096, "q_lora_rank": 2 ** 20, "kv_lora_rank": 2 ** 20, "qk_nope_head_dim": 2 ** 16,
-    "qk_rope_head_dim": 2 ** 16, "v_head_dim": 2 ** 16,
+    "qk_rope_head_dim": 2 ** 16, "v_head_dim": 2 ** 16, "sliding_window": 2 ** 24,
     "gpus": 2 ** 24, "nvlink_domain_size": 2 ** 16, "gpus_per_node": 2 ** 16, "num_sites": 2 ** 10,
     "global_batch": 2 ** 31 - 1, "seq_len": 2 ** 24,
 }
@@ -118,6 +118,10 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Sliding-window attention (Mistral-7B-v0.1, Gemma-2/3 local layers): keys per query, 0 = none.
+    # Recorded from the config; the cost model costs attention as full causal attention (an upper
+    # bound on attention time and memory when seq_len > sliding_window), and says so.
+    sliding_window: int = 0
     source: str = ""
 
     def __post_init__(self):
@@ -134,7 +138,7 @@ class ModelSpec:
                             f"a multiple of num_kv_heads={self.num_kv_heads}")
         for f in ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts",
                   "shared_expert_ffn_hidden_size", "first_k_dense_layers", "q_lora_rank",
-                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window"):
             _non_negative(f, getattr(self, f))
         if self.num_experts:
             if not 1 <= self.experts_per_token <= self.num_experts:
