@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from costmodels.params import EfficiencyParams
-from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
+from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, format_plan
 from costmodels.specs import SpecError
 from search_spaces.space import Problem, binding_rules, enumerate_legal
 
@@ -76,7 +76,7 @@ def _closest_message(rep: dict, limit_gb: float) -> str:
     parts = sorted(((k, mem[k]) for k in ("weights", "gradients", "optimizer", "activations", "other")),
                    key=lambda kv: -kv[1])
     biggest = ", ".join(f"{k} {v:.1f} GB" for k, v in parts[:3])
-    plan = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in rep["plan"].items())
+    plan = format_plan(Plan.from_dict(rep["plan"]))        # the --plan text: pasteable, sp=true
     return (f"memory: no legal plan fits in {limit_gb:.1f} GB per GPU; the closest ({plan}) needs "
             f"{mem['total']:.1f} GB, {mem['total'] - limit_gb:.1f} GB over (largest: {biggest})")
 
