@@ -242,16 +242,7 @@ def plans_table(reports: list, title: str = "Best plans", *, lead: tuple = (), f
     defaults = {"etp": 1, "first_layers": 0, "last_layers": 0, "recompute_layers": 0}
     knobs = list(TABLE_KNOBS) + [k for k in EXTRA_KNOBS
                                  if any(r["plan"].get(k, defaults[k]) not in (defaults[k], None) for r in reports)]
-    table = Table(title=title, title_justify="left")
-    table.add_column("#", justify="right")
-    for header, _ in lead:
-        table.add_column(header, justify="right")
-    for k in knobs:
-        table.add_column(KNOBS[k].label, justify="left" if k in ("recompute", "sp") else "right")
-    metrics = [("step (s)", "right"), ("tokens/s/GPU", "right"), ("TFLOP/s/GPU", "right"), ("MFU", "right"),
-               ("mem GB", "right")] + ([("fits", "left")] if fits_column else [])
-    for header, justify in metrics:
-        table.add_column(header, justify=justify)
+    rows = []
     for i, r in enumerate(reports, 1):
         p = r["plan"]
         cells = [str(i), *(str(r.get(key, "")) for _, key in lead),
@@ -260,5 +251,16 @@ def plans_table(reports: list, title: str = "Best plans", *, lead: tuple = (), f
                  thousands(r.get("model_tflops_per_gpu")), f"{r['mfu']:.1%}", f"{r['memory_gb']['total']:.1f}"]
         if fits_column:
             cells.append("yes" if r.get("fits", True) else "NO")
+        rows.append(cells)
+    columns = [("#", "right"), *((header, "right") for header, _ in lead),
+               *((KNOBS[k].label, "left" if k in ("recompute", "sp") else "right") for k in knobs),
+               ("step (s)", "right"), ("tokens/s/GPU", "right"), ("TFLOP/s/GPU", "right"), ("MFU", "right"),
+               ("mem GB", "right")] + ([("fits", "left")] if fits_column else [])
+    table = Table(title=title, title_justify="left")
+    for j, (header, justify) in enumerate(columns):
+        # values never break: a narrow terminal (80 columns) folds the headers instead
+        widest = max((len(row[j]) for row in rows), default=1)
+        table.add_column(header, justify=justify, min_width=widest)
+    for cells in rows:
         table.add_row(*cells)
     return table

@@ -342,6 +342,7 @@ def legal_values_of(knob: str, plan: dict, problem: Problem, values) -> np.ndarr
 def complete_plan(values: dict, problem: Problem) -> Plan:
     """A Plan from user-given knobs; dp is derived from the GPU count when omitted."""
     v = dict(values)
+    Plan(**v)                      # each given knob checked (tp=0, pp=-1) before the arithmetic below
     if "dp" not in v:
         denom = v.get("tp", 1) * v.get("cp", 1) * v.get("pp", 1)
         if problem.cluster.num_gpus % denom:
