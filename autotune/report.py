@@ -61,7 +61,7 @@ def explain(best: dict, runner: dict | None, problem: Problem) -> str:
     mem = best["memory_gb"]
     big = max(("weights", "gradients", "optimizer", "activations"), key=lambda k: mem[k])
     text = (f"The fastest plan, {_layout(best['plan'])}, takes {step:.3g} s per step "
-            f"({best['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, MFU {best['mfu']:.1%}): {shares}. "
+            f"({best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {best['mfu']:.1%}): {shares}. "
             f"It needs {mem['total']:.1f} of {mem['limit']:.1f} GB per GPU, mostly {big} ({mem[big]:.1f} GB).")
     if runner is None:
         return text + " It is the only plan that fits."
@@ -135,7 +135,7 @@ def render_markdown(report: dict) -> str:
         pl = r["plan"]
         lines.append(f"| {i} | {pl['tp']} | {pl['pp']} | {pl['dp']} | {pl['cp']} | {pl['ep']} | {pl['vpp']} | "
                      f"{pl['mbs']} | {pl['recompute']} | {'on' if pl['sp'] else 'off'} | {pl['zero']} | "
-                     f"{r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:.0f} | {r['model_tflops_per_gpu']:.0f} | "
+                     f"{r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['model_tflops_per_gpu']:.0f} | "
                      f"{r['mfu']:.1%} | {r['memory_gb']['total']:.1f} | {'yes' if r['fits'] else 'no'} |"
                      + (f" {extras_text(pl) or '-'} |" if extras else ""))
     best = report["best"]

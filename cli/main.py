@@ -74,6 +74,9 @@ def problem_line(problem) -> str:
     if counts["active"] != counts["total"]:
         params += f", {counts['active'] / 1e9:,.1f} B active"
     cl, job = problem.cluster, problem.job
+    window = problem.model.sliding_window
+    if window and job.seq_len > window:
+        params += f"; sliding window {window:,} costed as full attention, an upper bound"
     return (f"{problem.model.name} ({params}) on {cl.num_gpus:,} x {cl.gpu.name} (NVLink domain "
             f"{cl.nvlink_domain_size}), global batch {job.global_batch:,} x {job.seq_len:,} tokens, "
             f"{job.precision.value}")

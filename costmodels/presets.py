@@ -310,8 +310,9 @@ def _text_config(cfg: dict, origin: str) -> dict:
     kind = text.get("model_type") or (f"{cfg['model_type']}_text" if isinstance(cfg.get("model_type"), str) else None)
     if kind == "gemma3_text":
         return _GEMMA3_TEXT_DEFAULTS | {k: v for k, v in text.items() if v is not None} | {"model_type": kind}
-    if kind is None:
-        raise SpecError("model", f"{origin}: text_config has no 'model_type'")
+    if kind not in _FAMILIES:
+        raise SpecError("model", f"{origin}: the text_config model_type {kind!r} is not supported; supported "
+                        f"model types: {', '.join(_FAMILIES)}")
     return text | {"model_type": kind}
 
 

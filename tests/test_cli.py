@@ -77,6 +77,9 @@ SURFACE = {
                "--intra-node-bw", "--gpus-per-node", "--cluster", "--memory-limit-gb", "--calibration", "--json"},
     "worker": {"--storage", "--study", "--trials", "--timeout", "--batch-size", "--seed", "--stale-after", "--json"},
     "studies": {"--storage", "--study", "--export", "--top", "--json"},
+    "models": {"--json"},
+    "gpus": {"--json"},
+    "clusters": {"--json"},
 }
 
 
