@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import TYPE_CHECKING, Annotated, Callable, Optional
 
 import typer
@@ -63,7 +64,7 @@ def parse_search_gpus(text: Optional[str]) -> int | GpuRange | None:
             raise SpecError("gpus", f"must be a positive integer, got {n}")
         check_size("gpus", n)
         return n
-    if not s.isascii() or len(s) > 40:
+    if not re.fullmatch(r"\d{1,9}\s*-\s*\d{1,9}(\s*:\s*\w{1,9})?", s):     # a range, or refused here
         raise SpecError("gpus", f"expected a GPU count (512) or a range (256-2048, 256-2048:64, "
                         f"256-2048:pow2), got {s[:20]!r}")
     from search_spaces.optuna_space import parse_gpus

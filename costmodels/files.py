@@ -168,17 +168,21 @@ def parse_yaml(text: str, where: str, field_name: str):
 # Files
 # ---------------------------------------------------------------------------------------------
 
-def read_data(path, field_name: str):
-    """A JSON file (by suffix) or a YAML file, read and parsed under the limits above."""
+def read_data(path, field_name: str, *, shipped: bool = False):
+    """A JSON file (by suffix) or a YAML file, read and parsed under the limits above. `shipped`
+    files (the package's own presets, checked by the tests) are parsed with libyaml when present:
+    20x faster, which is most of the CLI's start-up."""
     text = read_text(path, field_name)
     if str(path).lower().endswith(".json"):
         return parse_json(text, str(path), field_name)
+    if shipped and getattr(yaml, "__with_libyaml__", False):
+        return yaml.load(text, Loader=yaml.CSafeLoader)        # noqa: S506 (the C SafeLoader)
     return parse_yaml(text, str(path), field_name)
 
 
-def read_mapping(path, field_name: str) -> dict:
+def read_mapping(path, field_name: str, *, shipped: bool = False) -> dict:
     """`read_data` whose top level must be a mapping."""
-    data = read_data(path, field_name)
+    data = read_data(path, field_name, shipped=shipped)
     if not isinstance(data, dict):
         raise SpecError(field_name, f"{path} must hold a mapping of fields at the top level, "
                         f"got {type(data).__name__}")

@@ -45,7 +45,7 @@ def _one_line(text: str) -> str:
 def _read_mapping(path: Path, field_name: str) -> dict:
     """Parse a JSON (by suffix) or YAML file whose top level is a mapping (regular files only, size-
     bounded, YAML without aliases, duplicate keys refused: `costmodels.files`)."""
-    return read_mapping(path, field_name)
+    return read_mapping(path, field_name, shipped=Path(path).resolve().is_relative_to(PRESET_DIR.resolve()))
 
 
 # ---------------------------------------------------------------------------------------------
