@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from cli.common import EXIT_INTERRUPTED, EXIT_NOTHING_FITS, EXIT_OK, error_line as _error_line
+from cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOTHING_FITS, EXIT_OK, error_line as _error_line
 from cli.common import plans_table, print_json as _print_json, print_table, stdout_console as _console
 from cli.options import JsonOpt
 from costmodels.specs import SpecError
@@ -231,26 +231,28 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     if with_sensitivity and getattr(result, "problem", None) is not None:
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
-    saved = None
+    saved, save_error = None, None
     if not no_save:
         try:
             _write_plot(report, points, out)
             report.setdefault("sections", []).insert(0, {"title": "Optuna", "markdown": _markdown_section(report)})
             saved = save_report(report, out)
-        except OSError as exc:
-            raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
+        except (OSError, SpecError) as exc:        # the folder went away mid-search: print the result anyway
+            save_error = str(exc) if isinstance(exc, SpecError) else f"out: cannot write the report to {out}: {exc}"
     code = EXIT_INTERRUPTED if info.get("interrupted") else EXIT_OK
+    if save_error:
+        code = EXIT_BAD_INPUT
     if as_json:
         _print_json(report)
-        if code == EXIT_INTERRUPTED:
-            _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
+        if save_error or code == EXIT_INTERRUPTED:
+            _error_line(save_error or f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
         return code
     con = _console()
     con.print(Text(f"Strategy: optuna ({report['strategy_choice']['reason']}); sampler {info['sampler']}, "
                    f"seed {info['seed']}, batch {info['batch_size']}."))
-    con.print(_plans_table(report["top"]))
+    print_table(con, _plans_table(report["top"]))
     if info.get("pareto_front"):
-        con.print(_pareto_table(info["pareto_front"], info["objectives"]))
+        print_table(con, _pareto_table(info["pareto_front"], info["objectives"]))
     con.print()
     con.print(Text(report["explanation"]))
     con.print()
@@ -263,9 +265,9 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         plot = f" and {os.path.join(out, info['pareto_plot'])}" if info.get("pareto_plot") else ""
         con.print(Text(f"Report saved to {saved[0]}, {saved[1]}{plot}"))
     else:
-        con.print(Text("Report not saved (--no-save)."))
-    if code == EXIT_INTERRUPTED:
-        _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
+        con.print(Text("Report not saved."))
+    if save_error or code == EXIT_INTERRUPTED:
+        _error_line(save_error or f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
     return code
 
 
@@ -307,7 +309,7 @@ def worker(
                        f"trials{zombies}."))
         best = out.get("best")
         if best:
-            con.print(_plans_table([best], title="Best plan of the study"))
+            print_table(con, _plans_table([best], title="Best plan of the study"))
     if code == EXIT_INTERRUPTED:
         _error_line(f"interrupted: {out['run']['trials']} trials of this worker kept in study {study}")
     return code
