@@ -120,6 +120,9 @@ def exhaustive(problem: Problem, params: EfficiencyParams | None = None, *, top_
         rep = plan_report(cb.plan(0), out, 0, inp)
         raise NothingFits(_closest_message(rep, limit / 1e9), rep, space)
     tb = top.batch()
+    if len(tb) == 0:                   # plans fit, but no step time is finite (extreme hardware figures)
+        raise SpecError("cluster", "the cost model gives no finite step time for any fitting plan; check the "
+                        "bandwidths, latencies and memory limit for values far outside real hardware")
     out = score_full(tb, inp, params)
     reports = [plan_report(tb.plan(i), out, i, inp) for i in range(len(tb))]
     best = reports[0]

@@ -389,10 +389,17 @@ def _positive_int(field_name: str, value) -> int:
     return value
 
 
+#: the largest number a cluster file may give (GB/s, us, ms): far above real hardware, small
+#: enough that the cost model's float32 arithmetic stays finite
+MAX_FILE_NUMBER = 1e9
+
+
 def _positive_number(field_name: str, value) -> float:
     if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
             or value <= 0):
         raise SpecError(field_name, f"must be a positive number, got {value!r}")
+    if value > MAX_FILE_NUMBER:
+        raise SpecError(field_name, f"{value:g} is larger than the supported maximum {MAX_FILE_NUMBER:g}")
     return float(value)
 
 
@@ -412,10 +419,21 @@ def _pick(cli_value, cli_field: str, file: dict, *file_keys: str):
     return None, None
 
 
+#: the bandwidths accepted, GB/s per GPU per direction: 1 MB/s (a step would take years below it)
+#: to 1 PB/s (1,000x any link today)
+BW_RANGE_GBPS = (1e-3, 1e6)
+
+
 def _bandwidth(cli_gbps, cli_field: str, file: dict, file_key: str, default_bytes_per_s: float) -> float:
     """Bytes/s from a GB/s flag or file field, else the GPU preset's default."""
     value, where = _pick(cli_gbps, cli_field, file, file_key)
-    return default_bytes_per_s if value is None else _positive_number(where, value) * GIGA
+    if value is None:
+        return default_bytes_per_s
+    gbps = _positive_number(where, value)
+    if not BW_RANGE_GBPS[0] <= gbps <= BW_RANGE_GBPS[1]:
+        raise SpecError(where, f"{gbps:g} GB/s is outside the supported range {BW_RANGE_GBPS[0]:g} to "
+                        f"{BW_RANGE_GBPS[1]:g} GB/s")
+    return gbps * GIGA
 
 
 def _domain_size(cli_value, file: dict, gpu: GPUSpec) -> tuple[int, str]:
