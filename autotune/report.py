@@ -7,7 +7,7 @@ import re
 
 from costmodels.plan import Plan, format_plan
 from costmodels.specs import spec_dict
-from search_spaces.space import Problem
+from search_spaces.space import KNOBS, Problem
 
 from . import __version__
 from .files import dumps_json, write_text_atomic
@@ -43,6 +43,36 @@ def extras_text(plan: dict) -> str:
 
 def uses_extras(reports: list) -> bool:
     return any(extras_text(r["plan"]) for r in reports)
+
+
+# Plan-table columns, defined once for the CLI's tables and the Markdown report: one column per
+# knob, headed by its Knob.label, cells formatted by its Knob.fmt (search_spaces.space.KNOBS).
+TABLE_KNOBS = ("tp", "pp", "dp", "cp", "ep", "vpp", "mbs", "recompute", "sp", "zero")
+#: knobs shown only when a listed plan uses them (their unused value)
+EXTRA_KNOBS = {"etp": 1, "first_layers": 0, "last_layers": 0, "recompute_layers": 0}
+
+
+def table_knobs(reports: list) -> list[str]:
+    """The knob columns of a table of these plans: TABLE_KNOBS, then the extras any plan uses."""
+    return list(TABLE_KNOBS) + [k for k, unused in EXTRA_KNOBS.items()
+                                if any(r["plan"].get(k, unused) not in (unused, None) for r in reports)]
+
+
+def knob_label(name: str) -> str:
+    return KNOBS[name].label
+
+
+def knob_cell(name: str, plan: dict) -> str:
+    """A knob's value as a table shows it (Knob.fmt: sp on/off, recompute by name, 0 = even)."""
+    value = plan.get(name, EXTRA_KNOBS.get(name))
+    if isinstance(value, bool):
+        value = int(value)
+    if isinstance(value, str):                 # reports carry recompute by name already
+        return value
+    try:
+        return KNOBS[name].fmt(value)
+    except (ValueError, TypeError, KeyError):
+        return str(value)
 
 
 def _layout(plan: dict) -> str:
@@ -121,23 +151,22 @@ def report_basename(report: dict) -> str:
 
 def render_markdown(report: dict) -> str:
     p = report["problem"]
-    extras = uses_extras(report["top"])
-    lines = [f"# autotune search: {p['model']['name']} on {p['cluster']['num_gpus']} x {p['gpu']['name']}",
+    knobs = table_knobs(report["top"])
+    lines = [f"# autotune search: {p['model']['name']} on {p['cluster']['num_gpus']:,} x {p['gpu']['name']}",
              "", f"Created {report['created']} by autotune {report['version']} "
              f"(strategy {report['strategy']}, calibration {report['calibration']}).", "",
-             f"Job: global batch {p['job']['global_batch']} x {p['job']['seq_len']} tokens, "
+             f"Job: global batch {p['job']['global_batch']:,} x {p['job']['seq_len']:,} tokens, "
              f"precision {p['job']['precision']}.", "", "## Why this plan", "", report["explanation"], "",
              "## Best plans", "",
-             "| # | TP | PP | DP | CP | EP | VPP | MBS | recompute | SP | ZeRO | step (s) | tokens/s/GPU "
-             "| TFLOP/s/GPU | MFU | memory (GB) | fits |" + (" stages / block recompute |" if extras else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if extras else "")]
+             "| # | " + " | ".join(knob_label(k) for k in knobs)
+             + " | step (s) | tokens/s/GPU | TFLOP/s/GPU | MFU | memory (GB) | fits |",
+             "|---|" + "---|" * (len(knobs) + 6)]
     for i, r in enumerate(report["top"], 1):
         pl = r["plan"]
-        lines.append(f"| {i} | {pl['tp']} | {pl['pp']} | {pl['dp']} | {pl['cp']} | {pl['ep']} | {pl['vpp']} | "
-                     f"{pl['mbs']} | {pl['recompute']} | {'on' if pl['sp'] else 'off'} | {pl['zero']} | "
-                     f"{r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['model_tflops_per_gpu']:.0f} | "
-                     f"{r['mfu']:.1%} | {r['memory_gb']['total']:.1f} | {'yes' if r['fits'] else 'no'} |"
-                     + (f" {extras_text(pl) or '-'} |" if extras else ""))
+        lines.append(f"| {i} | " + " | ".join(knob_cell(k, pl) for k in knobs)
+                     + f" | {r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+                     f"{r['model_tflops_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['memory_gb']['total']:.1f} | "
+                     f"{'yes' if r['fits'] else 'no'} |")
     best = report["best"]
     lines += ["", "## Time and memory of the best plan", "", "| time term | seconds | share |", "|---|---|---|"]
     for k, v in best["time_breakdown_s"].items():

@@ -219,41 +219,23 @@ def thousands(x: Optional[float], digits: int = 0) -> str:
 # The plan table: knob columns from search_spaces.space.KNOBS (label, fmt)
 # ---------------------------------------------------------------------------------------------
 
-#: knobs shown as columns, in this order; the others appear when a listed plan uses them
-TABLE_KNOBS = ("tp", "pp", "dp", "cp", "ep", "vpp", "mbs", "recompute", "sp", "zero")
-EXTRA_KNOBS = ("etp", "first_layers", "last_layers", "recompute_layers")
-
-
-def _knob_cell(knob, value) -> str:
-    if isinstance(value, bool):
-        value = int(value)
-    if isinstance(value, str) and knob.name == "recompute":
-        return value
-    try:
-        return knob.fmt(value)
-    except (ValueError, TypeError, KeyError):
-        return str(value)
-
-
 def plans_table(reports: list, title: str = "Best plans", *, lead: tuple = (), fits_column: bool = True) -> Table:
     """A table of scored plans: '#', optional lead columns ((header, key) pairs read from each
     report), one column per knob (header Knob.label, cells Knob.fmt), then the metrics."""
-    from search_spaces.space import KNOBS
-    defaults = {"etp": 1, "first_layers": 0, "last_layers": 0, "recompute_layers": 0}
-    knobs = list(TABLE_KNOBS) + [k for k in EXTRA_KNOBS
-                                 if any(r["plan"].get(k, defaults[k]) not in (defaults[k], None) for r in reports)]
+    from autotune.report import knob_cell, knob_label, table_knobs
+    knobs = table_knobs(reports)
     rows = []
     for i, r in enumerate(reports, 1):
         p = r["plan"]
         cells = [str(i), *(str(r.get(key, "")) for _, key in lead),
-                 *(_knob_cell(KNOBS[k], p.get(k, defaults.get(k))) for k in knobs),
+                 *(knob_cell(k, p) for k in knobs),
                  f"{r['step_time_s']:.3f}", thousands(r["tokens_per_s_per_gpu"]),
                  thousands(r.get("model_tflops_per_gpu")), f"{r['mfu']:.1%}", f"{r['memory_gb']['total']:.1f}"]
         if fits_column:
             cells.append("yes" if r.get("fits", True) else "NO")
         rows.append(cells)
     columns = [("#", "right"), *((header, "right") for header, _ in lead),
-               *((KNOBS[k].label, "left" if k in ("recompute", "sp") else "right") for k in knobs),
+               *((knob_label(k), "left" if k in ("recompute", "sp") else "right") for k in knobs),
                ("step (s)", "right"), ("tokens/s/GPU", "right"), ("TFLOP/s/GPU", "right"), ("MFU", "right"),
                ("mem GB", "right")] + ([("fits", "left")] if fits_column else [])
     table = Table(title=title, title_justify="left")

@@ -65,7 +65,7 @@ def parse_search_gpus(text: Optional[str]) -> int | GpuRange | None:
         check_size("gpus", n)
         return n
     if not re.fullmatch(r"\d{1,9}\s*-\s*\d{1,9}(\s*:\s*\w{1,9})?", s):     # a range, or refused here
-        raise SpecError("gpus", f"expected a GPU count (512) or a range (256-2048, 256-2048:64, "
+        raise SpecError("--gpus", f"expected a GPU count (512) or a range (256-2048, 256-2048:64, "
                         f"256-2048:pow2), got {s[:20]!r}")
     from search_spaces.optuna_space import parse_gpus
     parsed = parse_gpus(s, "--gpus")
@@ -130,7 +130,7 @@ def _plans_table(reports: list, title: str = "Best plans found") -> Table:
 
 
 def _pareto_table(front: list, objectives: list) -> Table:
-    from autotune.report import extras_text
+    from autotune.report import plan_text
     table = Table(title="Pareto front (feasible trials no other trial beats on every objective)",
                   title_justify="left")
     for col in ["#", "trial"] + [f"{o['name']} ({o['direction'][:3]})" for o in objectives] + ["plan"]:
@@ -139,9 +139,7 @@ def _pareto_table(front: list, objectives: list) -> Table:
         p = f["plan"]
         vals = [_fmt(f["values"][o["name"]]) for o in objectives]
         table.add_row(str(i), str(f["trial"]), *vals,
-                      f"tp{p['tp']} pp{p['pp']} dp{p['dp']} cp{p['cp']} ep{p['ep']} vpp{p['vpp']} mbs{p['mbs']} "
-                      f"{p['recompute']} sp={'on' if p['sp'] else 'off'} zero{p['zero']}"
-                      + (f" ({extras_text(p)})" if extras_text(p) else ""))
+                      plan_text(p))
     return table
 
 
