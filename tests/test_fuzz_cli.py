@@ -372,3 +372,21 @@ def test_memory_bombs_in_a_subprocess(tmp_path, name, text, args):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: ")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("text, needle", [
+    (None, "regular file"),                                              # /dev/zero
+    ('[{"id": "a", "id": "b"}]', "twice"),
+    ("[" * 5000 + "]" * 5000, "nests deeper"),
+    ('{"runs": NaN', "valid JSON"),
+])
+def test_hostile_runs_files(tmp_path, text, needle):
+    path = "/dev/zero"
+    if text is not None:
+        path = tmp_path / "runs.json"
+        path.write_text(text)
+    for args in (["validate", path, "--json"], ["calibrate", path, "--gpu", "h100", "-o", tmp_path / "cal.json"]):
+        result = run(*args)
+        assert_contract(result)
+        assert result.exit_code == 2 and needle in result.stderr, result.stderr
+    assert not (tmp_path / "cal.json").exists()
