@@ -61,7 +61,9 @@ def layer_comm(S: Shapes, w: LayerWork, M: dict, H: dict, J: dict, e: Efficiency
     tp_dense = exposed(2.0 * tp_pair, w.attn_proj + w.mlp_dense)
     etp_bytes = S.routed_tokens * S.etp * h * ACT_BYTES
     t_etp = 2.0 * C.reduce_scatter_s(etp_bytes, S.etp, 1.0, H, link, lat)
-    tp_moe = exposed(tp_pair + t_etp, w.attn_proj + w.mlp_moe)
+    # shared experts are column/row-parallel over TP like a dense MLP: their own AG + RS pair
+    has_shared = (M["shared_ffn"] > 0).astype(jnp.float32)
+    tp_moe = exposed(tp_pair * (1.0 + has_shared) + t_etp, w.attn_proj + w.mlp_moe)
     # CP ring attention [RA]: cp-1 exchanges of this rank's K,V block, hidden under attention
     kv_bytes = S.tokens * M["kv_exchange_elems"] / jnp.minimum(S.tp, M["kv_heads"]) * ACT_BYTES
     cp_bw, cp_lat = C.group_link(S.cp, S.tp, H, link)
