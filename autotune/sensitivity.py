@@ -108,16 +108,13 @@ PARAM_LABELS = {
     "softmax_bytes_per_score": "unfused softmax bytes per score", "hbm_eff": "achieved HBM bandwidth share",
     "elementwise_bytes_h": "elementwise bytes per hidden unit", "elementwise_bytes_f": "elementwise bytes per FFN unit",
     "lp_cast_bytes": "low-precision cast bytes", "kernel_overhead_s": "per-kernel launch overhead",
-    "kernels_per_layer": "kernels per layer", "intra_bw_eff": "achieved NVLink bandwidth share",
-    "inter_bw_eff": "achieved network bandwidth share", "tp_comm_overlap": "TP communication overlap",
-    "dp_overlap": "DP communication overlap", "cp_overlap": "CP communication overlap",
-    "pp_overlap": "pipeline p2p overlap", "ep_overlap": "MoE all-to-all overlap",
-    "moe_imbalance": "MoE load imbalance", "step_overhead_s": "per-step host overhead",
-    "microbatch_overhead_s": "per-micro-batch host overhead", "collective_latency_s": "collective launch latency",
-    "zero3_bw_eff": "ZeRO-3 gather bandwidth share", "optimizer_bytes_per_param": "optimizer bytes per parameter",
-    "mem_fixed_bytes": "fixed framework memory", "mem_fragmentation": "allocator fragmentation",
-    "logits_bytes_per_elem": "bytes per logit", "grad_bytes_per_param": "gradient bytes per parameter",
-    "low_precision_weight_bytes": "low-precision weight copy bytes",
+    "intra_bw_eff": "achieved NVLink bandwidth share", "inter_bw_eff": "achieved network bandwidth share",
+    "tp_comm_overlap": "TP communication overlap", "dp_overlap": "DP communication overlap",
+    "cp_overlap": "CP communication overlap", "pp_overlap": "pipeline p2p overlap",
+    "ep_overlap": "MoE all-to-all overlap", "moe_imbalance": "MoE load imbalance",
+    "step_overhead_s": "per-step host overhead", "microbatch_overhead_s": "per-micro-batch host overhead",
+    "collective_latency_s": "collective launch latency", "zero3_bw_eff": "ZeRO-3 gather bandwidth share",
+    "mem_fragmentation": "allocator fragmentation",
 }
 
 

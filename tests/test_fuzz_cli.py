@@ -161,7 +161,7 @@ def test_fuzz_cluster_files(fields, as_yaml, tmp_path_factory):
     assert_contract(result, as_json=True)
 
 
-PARAM_NAMES = ["gemm_eff_max", "hbm_eff", "mem_fixed_bytes", "kernels_per_layer", "inter_bw_eff", "bogus"]
+PARAM_NAMES = ["gemm_eff_max", "hbm_eff", "mem_fragmentation", "moe_imbalance", "inter_bw_eff", "bogus"]
 
 
 @FUZZ
@@ -232,7 +232,7 @@ def test_huge_moe_config_is_refused_before_any_loop(tmp_path):
 
 
 def test_calibration_outside_bounds_is_refused(tmp_path):
-    for params, needle in (({"gemm_eff_max": 0}, "gemm_eff_max"), ({"mem_fixed_bytes": -1e15}, "mem_fixed_bytes"),
+    for params, needle in (({"gemm_eff_max": 0}, "gemm_eff_max"), ({"mem_fragmentation": -1e15}, "mem_fragmentation"),
                            ({"hbm_eff": 1000}, "hbm_eff")):
         path = tmp_path / "cal.json"
         path.write_text(json.dumps({"gpu": "h100", "params": params}))
