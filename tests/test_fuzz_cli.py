@@ -213,6 +213,9 @@ def test_hostile_cluster_files(tmp_path, name, text, needle):
     (["--memory-limit-gb", "inf"], "memory_limit_gb"),
     (["--memory-limit-gb", "nan"], "memory_limit_gb"),
     (["--gpu", "h100-80gb", "--out", "/dev/null/x"], "out"),
+    (["--gpus", "8-2000000000"], "gpus"),
+    (["--gpus", "9" * 5000], "gpus"),
+    (["--seed", "-1"], "seed"),
 ])
 def test_hostile_flags_name_the_field(args, field):
     flags = dict(zip(SMALL[::2], SMALL[1::2])) | dict(zip(args[::2], args[1::2]))
@@ -390,3 +393,13 @@ def test_hostile_runs_files(tmp_path, text, needle):
         assert_contract(result)
         assert result.exit_code == 2 and needle in result.stderr, result.stderr
     assert not (tmp_path / "cal.json").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--steps", "-5"), ("--rounds", "-1"), ("--holdout-frac", "1.5"),
+                                         ("--seed", "-1")])
+def test_calibrate_refuses_settings_that_would_write_an_unfitted_file(tmp_path, flag, value):
+    runs = tmp_path / "runs.json"
+    runs.write_text("[]")
+    result = run("calibrate", runs, "--gpu", "h100", "-o", tmp_path / "cal.json", flag, value)
+    assert_contract(result)
+    assert result.exit_code == 2 and flag in result.stderr and not (tmp_path / "cal.json").exists()
