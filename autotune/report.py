@@ -52,10 +52,18 @@ TABLE_KNOBS = ("tp", "pp", "dp", "cp", "ep", "vpp", "mbs", "recompute", "sp", "z
 EXTRA_KNOBS = {"etp": 1, "first_layers": 0, "last_layers": 0, "recompute_layers": 0}
 
 
+#: knobs shown only when the listed plans differ in them (else two rows could look the same)
+VARYING_KNOBS = ("recompute_modules", "account_for_embedding", "account_for_loss")
+
+
 def table_knobs(reports: list) -> list[str]:
-    """The knob columns of a table of these plans: TABLE_KNOBS, then the extras any plan uses."""
-    return list(TABLE_KNOBS) + [k for k, unused in EXTRA_KNOBS.items()
-                                if any(r["plan"].get(k, unused) not in (unused, None) for r in reports)]
+    """The knob columns of a table of these plans: TABLE_KNOBS, then the extras any plan uses and
+    the knobs the plans differ in."""
+    def varies(k):
+        return len({str(r["plan"].get(k)) for r in reports}) > 1
+    extras = [k for k, unused in EXTRA_KNOBS.items()
+              if any(r["plan"].get(k, unused) not in (unused, None) for r in reports)]
+    return list(TABLE_KNOBS) + extras + [k for k in VARYING_KNOBS if varies(k)]
 
 
 def knob_label(name: str) -> str:
@@ -69,6 +77,8 @@ def knob_cell(name: str, plan: dict) -> str:
         value = int(value)
     if isinstance(value, str):                 # reports carry recompute by name already
         return value
+    if isinstance(value, (list, tuple)):       # recompute modules by name
+        return "+".join(value) or "-"
     try:
         return KNOBS[name].fmt(value)
     except (ValueError, TypeError, KeyError):

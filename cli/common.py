@@ -219,6 +219,10 @@ def thousands(x: Optional[float], digits: int = 0) -> str:
 # The plan table: knob columns from search_spaces.space.KNOBS (label, fmt)
 # ---------------------------------------------------------------------------------------------
 
+#: knob columns holding words (left-aligned, may fold on a narrow terminal)
+TEXT_KNOBS = ("recompute", "sp", "recompute_modules", "account_for_embedding", "account_for_loss")
+
+
 def plans_table(reports: list, title: str = "Best plans", *, lead: tuple = (), fits_column: bool = True) -> Table:
     """A table of scored plans: '#', optional lead columns ((header, key) pairs read from each
     report), one column per knob (header Knob.label, cells Knob.fmt), then the metrics."""
@@ -235,14 +239,15 @@ def plans_table(reports: list, title: str = "Best plans", *, lead: tuple = (), f
             cells.append("yes" if r.get("fits", True) else "NO")
         rows.append(cells)
     columns = [("#", "right"), *((header, "right") for header, _ in lead),
-               *((knob_label(k), "left" if k in ("recompute", "sp") else "right") for k in knobs),
+               *((knob_label(k), "left" if k in TEXT_KNOBS else "right") for k in knobs),
                ("step (s)", "right"), ("tokens/s/GPU", "right"), ("TFLOP/s/GPU", "right"), ("MFU", "right"),
                ("mem GB", "right")] + ([("fits", "left")] if fits_column else [])
     table = Table(title=title, title_justify="left")
     for j, (header, justify) in enumerate(columns):
-        # values never break: a narrow terminal (80 columns) folds the headers instead
+        # numbers and short words never break: a narrow terminal (80 columns) folds the headers
+        # and the long words (recompute modules) instead
         widest = max((len(row[j]) for row in rows), default=1)
-        table.add_column(header, justify=justify, min_width=widest)
+        table.add_column(header, justify=justify, min_width=widest if justify == "right" or widest <= 4 else None)
     for cells in rows:
         table.add_row(*cells)
     return table
