@@ -206,8 +206,26 @@ def print_table(con: Console, table: Table) -> None:
     if Measurement.get(con, con.options.update_width(10_000), table).maximum > con.width:
         table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0)
         for column in table.columns:
+            if isinstance(column.header, str):
+                column.header = _stacked(column.header)
             column.overflow = "fold"
     con.print(table)
+
+
+def _stacked(header: str) -> str:
+    """A header over several short lines: at spaces, and after '/' in long words."""
+    lines = []
+    for word in header.split():
+        parts = word.split("/")
+        chunks = [p + "/" for p in parts[:-1]] + [parts[-1]]
+        line = ""
+        for chunk in chunks:
+            if line and len(line) + len(chunk) > 6:
+                lines.append(line)
+                line = ""
+            line += chunk
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def thousands(x: Optional[float], digits: int = 0) -> str:
@@ -223,31 +241,41 @@ def thousands(x: Optional[float], digits: int = 0) -> str:
 TEXT_KNOBS = ("recompute", "sp", "recompute_modules", "account_for_embedding", "account_for_loss")
 
 
-def plans_table(reports: list, title: str = "Best plans", *, lead: tuple = (), fits_column: bool = True) -> Table:
+def plans_table(reports: list, title: str = "Best plans", *, lead: tuple = (), fits_column: bool = True,
+                compact: bool = False) -> Table:
     """A table of scored plans: '#', optional lead columns ((header, key) pairs read from each
-    report), one column per knob (header Knob.label, cells Knob.fmt), then the metrics."""
+    report), one column per knob (header Knob.label, cells Knob.fmt), then the metrics. `compact`
+    puts the knobs in one "plan" column that wraps between knobs (for 80-column terminals)."""
     from autotune.report import knob_cell, knob_label, table_knobs
     knobs = table_knobs(reports)
-    rows = []
+    metrics = [("step (s)", "right"), ("tokens/s/GPU", "right"), ("TFLOP/s/GPU", "right"), ("MFU", "right"),
+               ("mem GB", "right")] + ([("fits", "left")] if fits_column else [])
+    if compact:
+        knob_columns = [("plan", "left")]
+    else:
+        knob_columns = [(knob_label(k), "left" if k in TEXT_KNOBS else "right") for k in knobs]
+    table = Table(title=title, title_justify="left")
+    for header, justify in [("#", "right"), *((h, "right") for h, _ in lead), *knob_columns, *metrics]:
+        table.add_column(header, justify=justify)
     for i, r in enumerate(reports, 1):
         p = r["plan"]
-        cells = [str(i), *(str(r.get(key, "")) for _, key in lead),
-                 *(knob_cell(k, p) for k in knobs),
-                 f"{r['step_time_s']:.3f}", thousands(r["tokens_per_s_per_gpu"]),
-                 thousands(r.get("model_tflops_per_gpu")), f"{r['mfu']:.1%}", f"{r['memory_gb']['total']:.1f}"]
+        cells = [knob_cell(k, p) for k in knobs]
+        if compact:
+            cells = [" ".join(f"{knob_label(k).replace(' ', '')}{'=' if k in TEXT_KNOBS else ''}{c}"
+                              for k, c in zip(knobs, cells))]
+        row = [str(i), *(str(r.get(key, "")) for _, key in lead), *cells,
+               f"{r['step_time_s']:.3f}", thousands(r["tokens_per_s_per_gpu"]),
+               thousands(r.get("model_tflops_per_gpu")), f"{r['mfu']:.1%}", f"{r['memory_gb']['total']:.1f}"]
         if fits_column:
-            cells.append("yes" if r.get("fits", True) else "NO")
-        rows.append(cells)
-    columns = [("#", "right"), *((header, "right") for header, _ in lead),
-               *((knob_label(k), "left" if k in TEXT_KNOBS else "right") for k in knobs),
-               ("step (s)", "right"), ("tokens/s/GPU", "right"), ("TFLOP/s/GPU", "right"), ("MFU", "right"),
-               ("mem GB", "right")] + ([("fits", "left")] if fits_column else [])
-    table = Table(title=title, title_justify="left")
-    for j, (header, justify) in enumerate(columns):
-        # numbers and short words never break: a narrow terminal (80 columns) folds the headers
-        # and the long words (recompute modules) instead
-        widest = max((len(row[j]) for row in rows), default=1)
-        table.add_column(header, justify=justify, min_width=widest if justify == "right" or widest <= 4 else None)
-    for cells in rows:
-        table.add_row(*cells)
+            row.append("yes" if r.get("fits", True) else "NO")
+        table.add_row(*row)
     return table
+
+
+def print_plans(con: Console, reports: list, title: str = "Best plans", **kw) -> None:
+    """The plan table, one column per knob when the terminal is wide enough, else one wrapped
+    "plan" column (an 80-column terminal), so no value is cut."""
+    table = plans_table(reports, title, **kw)
+    if Measurement.get(con, con.options.update_width(10_000), table).maximum > con.width:
+        table = plans_table(reports, title, compact=True, **kw)
+    print_table(con, table)

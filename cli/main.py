@@ -19,7 +19,7 @@ from rich.text import Text
 from autotune import __version__
 from cli import optuna_cmds
 from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineErrors, check_problem_options,
-                        configure_compile_cache, error_line, print_json, print_table, plans_table, spinner,
+                        configure_compile_cache, error_line, print_json, print_plans, print_table, spinner,
                         stdout_console, thousands)
 from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
@@ -232,7 +232,7 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
     from autotune.report import plan_text
     con = stdout_console()
     con.print(Text(problem_line(problem)))
-    print_table(con, plans_table(report["top"]))
+    print_plans(con, report["top"])
     con.print(Text(f"Best plan as --plan: {plan_text(report['best']['plan'])}"))
     con.print()
     con.print(Text(report["explanation"]))

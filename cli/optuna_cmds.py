@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOTHING_FITS, EXIT_OK, error_line as _error_line
-from cli.common import plans_table, print_json as _print_json, print_table, stdout_console as _console
+from cli.common import print_json as _print_json, print_plans, print_table, stdout_console as _console
 from cli.options import JsonOpt
 from costmodels.specs import SpecError
 
@@ -125,8 +125,8 @@ class _ProgressBar:
         return None
 
 
-def _plans_table(reports: list, title: str = "Best plans found") -> Table:
-    return plans_table(reports, title, lead=(("trial", "trial"), ("GPUs", "num_gpus")), fits_column=False)
+def _print_plans(con, reports: list, title: str = "Best plans found") -> None:
+    print_plans(con, reports, title, lead=(("trial", "trial"), ("GPUs", "num_gpus")), fits_column=False)
 
 
 def _pareto_table(front: list, objectives: list) -> Table:
@@ -248,7 +248,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     con = _console()
     con.print(Text(f"Strategy: optuna ({report['strategy_choice']['reason']}); sampler {info['sampler']}, "
                    f"seed {info['seed']}, batch {info['batch_size']}."))
-    print_table(con, _plans_table(report["top"]))
+    _print_plans(con, report["top"])
     if info.get("pareto_front"):
         print_table(con, _pareto_table(info["pareto_front"], info["objectives"]))
     con.print()
@@ -307,7 +307,7 @@ def worker(
                        f"trials{zombies}."))
         best = out.get("best")
         if best:
-            print_table(con, _plans_table([best], title="Best plan of the study"))
+            _print_plans(con, [best], title="Best plan of the study")
     if code == EXIT_INTERRUPTED:
         _error_line(f"interrupted: {out['run']['trials']} trials of this worker kept in study {study}")
     return code

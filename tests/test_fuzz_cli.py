@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from rich.console import Console
 from typer.testing import CliRunner
 
-from cli.common import configure_compile_cache, plans_table, print_table
+from cli.common import configure_compile_cache, print_plans
 from cli.main import app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -327,11 +327,19 @@ def test_plan_table_fits_80_columns_without_ellipsis():
             "sp": True, "zero": 1, "first_layers": 7, "last_layers": 0, "recompute_layers": 0}
     rep = {"plan": plan, "step_time_s": 12.3456, "tokens_per_s_per_gpu": 123456.0, "model_tflops_per_gpu": 456.0,
            "mfu": 0.456, "memory_gb": {"total": 71.23}, "fits": True}
-    con = Console(width=80, record=True, force_terminal=True, color_system=None)
-    print_table(con, plans_table([rep, rep]))
-    text = con.export_text()
-    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
-    assert "123,456" in text and "on" in text and "selective" in text and "7" in text
+    other = dict(rep, plan=dict(plan, recompute_modules=["core_attn", "layernorm"]), fits=False)
+    for reports in ([rep, rep], [dict(rep, plan=dict(plan, recompute_modules=[])), other]):
+        con = Console(width=80, record=True, force_terminal=True, color_system=None)
+        print_plans(con, reports)
+        text = con.export_text()
+        assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+        for value in ("12.346", "123,456", "456", "45.6%", "71.2", "DP128", "Recompute=selective", "SP=on",
+                      "First7", "yes"):
+            assert value in text, value
+    assert "NO" in text and "core_attn+layernorm" in text       # the knob the plans differ in is shown
+    wide = Console(width=200, record=True, color_system=None)
+    print_plans(wide, [rep])
+    assert "Recompute" in wide.export_text().splitlines()[2]     # a wide terminal: one column per knob
 
 
 def test_unwritable_compile_cache_is_disabled_quietly(monkeypatch):
