@@ -286,9 +286,11 @@ def _modules(v) -> tuple:
     return tuple(v)
 
 
-def plan_from_megatron_args(values: dict, world_size: int | None = None, num_layers: int | None = None) -> Plan:
+def plan_from_megatron_args(values: dict, world_size: int | None = None, num_layers: int | None = None,
+                            is_moe: bool = False) -> Plan:
     """Megatron-LM arguments (parse_megatron_argv or parse_megatron_arg_dump) -> Plan. The data-parallel
-    size is the dump's `data_parallel_size`, else world_size / (tp * cp * pp)."""
+    size is the dump's `data_parallel_size`, else world_size / (tp * cp * pp). Expert sizes are read
+    when the arguments name experts (--num-experts) or `is_moe` says the model has them."""
     from costmodels.plan import modules_mask, modules_of_mask
 
     tp = _int(values, "tensor_model_parallel_size", 1)
@@ -330,18 +332,21 @@ def plan_from_megatron_args(values: dict, world_size: int | None = None, num_lay
         zero = 3
     elif _flag(values, "use_distributed_optimizer"):
         zero = 1
-    # Megatron: --expert-tensor-parallel-size defaults to the TP size (MoE models only)
-    etp = _int(values, "expert_tensor_parallel_size") or (tp if _int(values, "num_experts") else 1)
-    return Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=_int(values, "expert_model_parallel_size", 1), etp=etp,
+    # Megatron: --expert-tensor-parallel-size defaults to the TP size; a dense model has no experts
+    # (its argument dump still shows the derived value)
+    moe = _int(values, "num_experts") is not None if "num_experts" in values else is_moe
+    etp = (_int(values, "expert_tensor_parallel_size") or tp) if moe else 1
+    ep = _int(values, "expert_model_parallel_size", 1) if moe else 1
+    return Plan(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp,
                 vpp=vpp or 1, mbs=_int(values, "micro_batch_size", 1), recompute=recompute, recompute_modules=modules,
                 sp=_flag(values, "sequence_parallel"), zero=zero, account_for_embedding=acc_e and not layout,
                 account_for_loss=acc_l and not layout, first_layers=first, last_layers=last,
                 recompute_layers=rec_layers, layout=layout)
 
 
-def parse_megatron_args(argv, world_size: int, num_layers: int | None = None) -> Plan:
+def parse_megatron_args(argv, world_size: int, num_layers: int | None = None, is_moe: bool = False) -> Plan:
     """A Megatron-LM command line -> the plan it runs (the inverse of megatron_plan_args)."""
-    return plan_from_megatron_args(parse_megatron_argv(argv), world_size, num_layers)
+    return plan_from_megatron_args(parse_megatron_argv(argv), world_size, num_layers, is_moe)
 
 
 # ------------------------------------------------------------------------------------------------
