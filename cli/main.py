@@ -436,6 +436,10 @@ from cli.analysis_cmds import register as _register_analysis  # noqa: E402
 _register_analysis(app)
 # issue 4: worker / studies (search --strategy optuna|auto goes through optuna_cmds.run_optuna_search)
 optuna_cmds.register(app)
+# issue 13/14: export / check / launch
+from cli.export_cmds import register as _register_export  # noqa: E402
+
+_register_export(app)
 
 
 if __name__ == "__main__":
