@@ -60,15 +60,20 @@ def run_args(train_iters: int) -> list:
             "--log-throughput", "--eval-iters", "0", "--lr", "1.0e-4", "--lr-decay-style", "constant"]
 
 
+def nodes_of(cluster) -> tuple:
+    """(nodes, GPUs per node): a node holds the GPU preset's GPUs per host, fewer when the NVLink
+    domain is smaller (--gpus-per-node 4); NVL72 racks are 18 hosts of 4 GPUs."""
+    per_node = min(cluster.nvlink_domain_size, cluster.gpu.gpus_per_node, cluster.num_gpus)
+    if cluster.num_gpus % per_node:
+        raise SpecError("gpus", f"{cluster.num_gpus} GPUs are not whole nodes of {per_node}")
+    return cluster.num_gpus // per_node, per_node
+
+
 def megatron_job(plan: Plan, problem: Problem, megatron_path: str, *, train_iters: int = 10,
                  log_path: str | None = None) -> MegatronJob:
     """The commands for the plan (nothing runs). A node holds the GPU preset's GPUs per host (fewer when
     the NVLink domain is smaller, e.g. --gpus-per-node 4)."""
-    cl = problem.cluster
-    per_node = min(cl.nvlink_domain_size, cl.gpu.gpus_per_node, cl.num_gpus)   # NVL72: 4-GPU hosts
-    if problem.cluster.num_gpus % per_node:
-        raise SpecError("gpus", f"{problem.cluster.num_gpus} GPUs are not whole nodes of {per_node}")
-    nodes = problem.cluster.num_gpus // per_node
+    nodes, per_node = nodes_of(problem.cluster)
     train = megatron_args(plan, problem) + run_args(train_iters)
     script = os.path.join(megatron_path, "pretrain_gpt.py")
     log_path = log_path or f"megatron_{problem.model.name}_{problem.cluster.num_gpus}gpu.log"

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from autotune import api
 from autotune.check import DEFAULT_MAX_MEMORY_FRAC, check_plan, parse_fraction
-from autotune.export import TARGETS, export, parse_target
+from autotune.export import TARGETS, ExportRefused, export, parse_target
 from autotune.files import read_json
 from autotune.launch import LAUNCHERS, megatron_launch
 from autotune.saved import problem_from_report, read_report, report_plans
@@ -32,6 +32,7 @@ from costmodels.specs import SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
+ExportOpt = Annotated[Optional[str], typer.Option("--export", help=f"Also write the best plan for: {', '.join(TARGETS)}.")]
 ToOpt = Annotated[str, typer.Option("--to", help=f"Target: {', '.join(TARGETS)}.")]
 ReportOpt = Annotated[Optional[str], typer.Option("--report", help="A saved search report (JSON) to export from.")]
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help='A plan, e.g. "tp=8,pp=4,vpp=5,recompute=selective,sp=true,zero=1".')]
@@ -61,6 +62,55 @@ def _problem_and_plans(report, plan, model, gpu, gpus, global_batch, seq_len, pr
                                 precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
                                 inter_node_bw=inter_node_bw, cluster_file=cluster, framework=framework)
     return problem, [api.plan_from_text(plan, problem)], "--plan"
+
+
+def problem_text(problem) -> str:
+    """The problem solved, in one line: model and parameter count, GPUs and nodes, NVLink domain,
+    global batch x sequence, precision."""
+    from autotune.launch import nodes_of
+
+    counts = problem.model.param_counts()
+    active = (f", {counts['active'] / 1e9:.1f} B active" if problem.model.is_moe else "")
+    nodes, per_node = nodes_of(problem.cluster)
+    return (f"{problem.model.name} ({counts['total'] / 1e9:.1f} B parameters{active}) on {problem.cluster.num_gpus} x "
+            f"{problem.cluster.gpu.name} ({nodes} nodes of {per_node}, NVLink domain {problem.cluster.nvlink_domain_size} "
+            f"GPUs), global batch {problem.job.global_batch} x {problem.job.seq_len} tokens, "
+            f"{problem.job.precision.value}")
+
+
+def finish_report(report: dict, problem, export_to: str | None = None) -> dict:
+    """Add the problem line, the best plan as a --plan string and (with `export_to`) its export to a
+    search report: keys `problem_text`, `plan_text`, `export` ({to, plan, text})."""
+    from autotune.report import plan_text
+    from costmodels.plan import Plan
+
+    report["problem_text"] = problem_text(problem)
+    report["plan_text"] = plan_text(report["best"]["plan"])
+    if export_to:
+        try:
+            e = export(export_to, Plan.from_dict(report["best"]["plan"]), problem)
+            report["export"] = {"to": e.target, "plan": report["plan_text"], "text": e.text}
+        except ExportRefused as exc:
+            report["export"] = {"to": export_to, "plan": report["plan_text"], "refused": str(exc)}
+    return report
+
+
+def export_exit(report: dict) -> int:
+    """0, or 2 with the one-line refusal on stderr when `search --export` could not express the best plan."""
+    refused = (report.get("export") or {}).get("refused")
+    if refused:
+        sys.stderr.write(f"error: {refused}\n")
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def print_plan_lines(con, report: dict) -> None:
+    """`search` / `predict` in table mode: the problem, the plan to paste, the export if asked."""
+    con.print(Text(f"Problem: {report['problem_text']}."))
+    con.print(Text(f"Plan: --plan \"{report['plan_text']}\""))
+    if report.get("export", {}).get("text"):
+        con.print(Text(f"As {report['export']['to']} (autotune export --to {report['export']['to']}):"))
+        con.print(Text(report["export"]["text"].rstrip("\n")))
 
 
 def export_cmd(
