@@ -471,7 +471,8 @@ def torchtitan_config(plan: Plan, problem: Problem) -> dict:
     """{section: {key: value}} of a torchtitan job config. Refused: the distributed optimizer and
     ZeRO-2 (torchtitan shards with FSDP2: zero=3, or replicates: zero=0), TP without sequence
     parallelism (torchtitan's TP always shards the sequence in norms), selective recompute of other
-    modules than core attention, block recompute, expert-TP other than 1 or tp, fp16 and fp4."""
+    modules than core attention, block recompute, expert-TP other than 1 or tp, expert ranks that
+    are not FSDP-sharded ranks, fp16 and fp4."""
     check_plan(plan, problem)
     t = "torchtitan"
     if plan.zero in (1, 2):
@@ -489,6 +490,13 @@ def torchtitan_config(plan: Plan, problem: Problem) -> dict:
                             "torchtitan checkpoints every n-th layer, not the first n layers of each chunk")
     if problem.model.is_moe and plan.etp not in (1, plan.tp):
         raise ExportRefused(t, f"etp={plan.etp}", f"torchtitan supports expert-TP 1 or equal to tp={plan.tp}")
+    shard = plan.dp if plan.zero == 3 else 1
+    if problem.model.is_moe and (shard * plan.cp * plan.tp) % (plan.ep * plan.etp):
+        # parallel_dims.py: the expert mesh is (pp, dp_replicate, efsdp, ep, etp) with
+        # efsdp = dp_shard * cp * tp / (etp * ep): EP borrows from the sharded DP ranks, never replicas
+        raise ExportRefused(t, f"ep={plan.ep}", f"torchtitan takes expert ranks from dp_shard*cp*tp = "
+                            f"{shard * plan.cp * plan.tp} (FSDP-sharded ranks, not replicas), which ep*etp = "
+                            f"{plan.ep * plan.etp} must divide; use zero=3")
     if problem.job.precision in (Precision.FP16, Precision.FP4):
         raise ExportRefused(t, f"precision={problem.job.precision.value}", "torchtitan trains in bf16 mixed "
                             "precision (fp8 through its float8 converter); fp16 and fp4 are not offered")
@@ -574,6 +582,9 @@ def maxtext_config(plan: Plan, problem: Problem) -> dict:
         raise ExportRefused(t, "recompute_modules=" + "+".join(plan.recompute_modules),
                             "MaxText's remat policies name no such module set; use recompute_modules=core_attn "
                             "(policy 'minimal') or recompute=full")
+    if plan.dp % plan.ep:
+        raise ExportRefused(t, f"ep={plan.ep}", f"MaxText's expert axis splits the data-parallel ranks (dp={plan.dp}); "
+                            "Megatron's folding of experts over tp/cp ranks cannot be expressed")
     m = _microbatches(plan, problem)
     if plan.pp > 1 and m % plan.pp:
         raise ExportRefused(t, "mbs", f"with pipeline parallelism MaxText needs the micro-batch count ({m}) to be "

@@ -139,6 +139,7 @@ def test_megatron_precision_and_framework_flags():
     ("torchtitan", "zero=1", "zero=1"),
     ("torchtitan", "tp=2,sp=false", "sp=false"),
     ("maxtext", "pp=2,first_layers=12", "pipeline split"),
+    ("maxtext", "tp=2,pp=8,mbs=64", "mbs"),
     ("deepspeed", "pp=2", "pp=2"),
     ("deepspeed", "cp=2", "cp=2"),
     ("deepspeed", "recompute=selective", "recompute"),
@@ -150,6 +151,20 @@ def test_refusals_name_the_field(target, text, field):
     with pytest.raises(ExportRefused) as exc:
         export(target, plan, problem)
     assert f"export --to {target}: {field}:" in str(exc.value)
+
+
+def test_torchtitan_takes_expert_ranks_from_sharded_data_parallel_ranks():
+    """torchtitan v0.2.2 parallel_dims.py: efsdp = dp_shard * cp * tp / (etp * ep) must be whole."""
+    problem = api.build_problem(model="mixtral-8x7b", gpu="h100", gpus=64, global_batch=256, seq_len=4096)
+    replicated = api.plan_from_text("tp=2,ep=8,sp=true,zero=0", problem)
+    with pytest.raises(ExportRefused, match="export --to torchtitan: ep=8: .* dp_shard\\*cp\\*tp = 2"):
+        export("torchtitan", replicated, problem)
+    cfg = export("torchtitan", replicated.replace(zero=3), problem).text
+    assert "data_parallel_shard_degree = 32" in cfg and "expert_parallel_degree = 8" in cfg
+    # MaxText's expert axis is cut from the data-parallel ranks only
+    folded = api.plan_from_text("tp=8,pp=2,ep=8,sp=true,zero=1", problem)
+    with pytest.raises(ExportRefused, match="export --to maxtext: ep=8: .*dp=4"):
+        export("maxtext", folded, problem)
 
 
 def test_unknown_target_is_bad_input():
