@@ -163,7 +163,7 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
         a += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
     if fw.overlap_grad_reduce:
         a += ["--overlap-grad-reduce"]
-    if fw.overlap_param_gather and plan.zero >= 1:
+    if fw.overlap_param_gather and fw.overlap_grad_reduce and plan.zero >= 1:    # Megatron asserts both
         a += ["--overlap-param-gather"]
     a += ["--micro-batch-size", plan.mbs, "--global-batch-size", problem.job.global_batch]
     a += _MEGATRON_PRECISION[problem.job.precision]

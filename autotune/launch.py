@@ -116,7 +116,7 @@ def measurement_record(problem: Problem, plan: Plan, summary: dict, *, log_path:
     rec = {
         "id": run_id or f"megatron-{m.name}-{problem.cluster.num_gpus}x{problem.cluster.gpu.name}-"
                         f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}",
-        "source": {"title": "autotune launch (Megatron-LM, mock data)", "table": log_path},
+        "source": {"title": "autotune launch (Megatron-LM, mock data)", "table": log_path, "group": "autotune launch"},
         "confidence": "high", "usable": True,
         "model": {"name": m.name, "layers": m.num_layers, "hidden": m.hidden_size, "ffn_hidden": m.ffn_hidden_size,
                   "heads": m.num_attention_heads, "kv_heads": m.num_kv_heads, "vocab": m.vocab_size,
@@ -126,7 +126,7 @@ def measurement_record(problem: Problem, plan: Plan, summary: dict, *, log_path:
         "hardware": {"gpu": problem.cluster.gpu.name, "gpu_key": problem.cluster.gpu.name,
                      "num_gpus": problem.cluster.num_gpus,
                      "gpus_per_node": job.gpus_per_node if job else problem.cluster.nvlink_domain_size},
-        "plan": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep, "vpp": plan.vpp,
+        "plan": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "cp": plan.cp, "ep": plan.ep, "etp": plan.etp, "vpp": plan.vpp,
                  "micro_batch": plan.mbs, "global_batch": problem.job.global_batch, "sequence_parallel": plan.sp,
                  "recompute": plan.recompute.name.lower(), "distributed_optimizer_or_zero": plan.zero,
                  "precision": problem.job.precision.value, "precision_key": problem.job.precision.value,

@@ -183,6 +183,12 @@ def test_megatron_launch_runs_and_records_a_measurement(tmp_path, monkeypatch):
     assert rec["measured"]["iteration_time_s"] == pytest.approx((5.4106 + 5.3641) / 2)    # median of the lines after the first
     assert rec["measured"]["tokens_per_s_per_gpu"] == pytest.approx(128 * 4096 / 5.38735 / 8)
     assert rec["plan"]["tp"] == 2 and rec["plan"]["ep"] == 4 and rec["hardware"]["num_gpus"] == 8
+    # the record is a row of the validation schema: `validate` scores it against the prediction
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps([rec]))
+    summary = api.validate(str(path))
+    assert summary["n_scored"] == 1 and summary["runs"][0]["measured_tokens_per_s_per_gpu"] == pytest.approx(
+        rec["measured"]["tokens_per_s_per_gpu"])
 
 
 def test_calibrate_megatron_log_checks_flags_against_the_log(tmp_path):
