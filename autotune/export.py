@@ -470,8 +470,8 @@ def _toml_value(v) -> str:
 def torchtitan_config(plan: Plan, problem: Problem) -> dict:
     """{section: {key: value}} of a torchtitan job config. Refused: the distributed optimizer and
     ZeRO-2 (torchtitan shards with FSDP2: zero=3, or replicates: zero=0), TP without sequence
-    parallelism (torchtitan's TP always shards the sequence in norms), selective recompute of other
-    modules than core attention, block recompute, expert-TP other than 1 or tp, expert ranks that
+    parallelism (torchtitan's TP always shards the sequence in norms), selective (module) recompute,
+    block recompute, expert-TP other than 1 or tp, expert ranks that
     are not FSDP-sharded ranks, fp16 and fp4."""
     check_plan(plan, problem)
     t = "torchtitan"
@@ -481,10 +481,12 @@ def torchtitan_config(plan: Plan, problem: Problem) -> dict:
     if plan.tp > 1 and not plan.sp:
         raise ExportRefused(t, "sp=false", "torchtitan's tensor parallelism always shards activations along the "
                             "sequence (sequence parallelism); use sp=true")
-    if plan.recompute is Recompute.SELECTIVE and plan.recompute_modules != ("core_attn",):
-        raise ExportRefused(t, "recompute_modules=" + "+".join(plan.recompute_modules),
-                            "torchtitan's selective (op-level) checkpointing recomputes the non-matmul ops, not "
-                            "a chosen module set; use recompute_modules=core_attn or recompute=full")
+    if plan.recompute is Recompute.SELECTIVE:
+        # distributed/activation_checkpoint.py: op-level SAC saves the ops of a save list (attention
+        # kernels among them) but recomputes every second matmul; no setting recomputes a module set
+        raise ExportRefused(t, "recompute=selective", "torchtitan's selective checkpointing (per-op: every "
+                            "second matmul recomputed, attention saved) is not Megatron's module recompute; "
+                            "use recompute=full or none")
     if plan.recompute_layers:
         raise ExportRefused(t, f"recompute_layers={plan.recompute_layers}",
                             "torchtitan checkpoints every n-th layer, not the first n layers of each chunk")
@@ -517,9 +519,7 @@ def torchtitan_config(plan: Plan, problem: Problem) -> dict:
                 # its local batch is split into pipeline micro-batches of mbs
                 "local_batch_size": plan.mbs * m if plan.pp > 1 else plan.mbs,
                 "seq_len": problem.job.seq_len, "mixed_precision_param": "bfloat16"}
-    ac = {"mode": {Recompute.NONE: "none", Recompute.SELECTIVE: "selective", Recompute.FULL: "full"}[plan.recompute]}
-    if plan.recompute is Recompute.SELECTIVE:
-        ac["selective_ac_option"] = "op"
+    ac = {"mode": "full" if plan.recompute is Recompute.FULL else "none"}
     cfg = {"training": training, "parallelism": par, "activation_checkpoint": ac}
     if problem.job.precision is Precision.FP8:
         cfg["model"] = {"converters": ["float8"]}
@@ -554,11 +554,6 @@ def _split_ici_dcn(degrees: list, domain: int, t: str) -> list:
     return out
 
 
-#: the tensors a 'custom' remat policy places (base.yml, after remat_policy)
-_MAXTEXT_REMAT_TENSORS = ("context", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo",
-                          "query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj", "out_proj", "attention_out")
-
-
 def maxtext_config(plan: Plan, problem: Problem) -> dict:
     """MaxText keys. Refused: ZeRO-2, uneven or accounted pipeline splits and layouts (MaxText splits
     the decoder layers evenly), micro-batch counts that are not a multiple of pp with PP, expert-TP,
@@ -581,7 +576,7 @@ def maxtext_config(plan: Plan, problem: Problem) -> dict:
     if plan.recompute is Recompute.SELECTIVE and plan.recompute_modules != ("core_attn",):
         raise ExportRefused(t, "recompute_modules=" + "+".join(plan.recompute_modules),
                             "MaxText's remat policies name no such module set; use recompute_modules=core_attn "
-                            "(policy 'minimal') or recompute=full")
+                            "(policy 'minimal': the attention output is recomputed) or recompute=full")
     if plan.dp % plan.ep:
         raise ExportRefused(t, f"ep={plan.ep}", f"MaxText's expert axis splits the data-parallel ranks (dp={plan.dp}); "
                             "Megatron's folding of experts over tp/cp ranks cannot be expressed")
@@ -612,14 +607,11 @@ def maxtext_config(plan: Plan, problem: Problem) -> dict:
     else:
         cfg.update(per_device_batch_size=plan.mbs * plan.dp / n, gradient_accumulation_steps=m)
     cfg["max_target_length"] = problem.job.seq_len
-    # 'full' replays the layer; 'minimal' saves every matmul output and recomputes the rest (with a
-    # fused attention kernel that is the attention core: Megatron's selective core_attn); no
-    # recomputation is the 'custom' policy with every named tensor kept on the device
-    if plan.recompute is Recompute.NONE:
-        cfg["remat_policy"] = "custom"
-        cfg.update({k: "device" for k in _MAXTEXT_REMAT_TENSORS})
-    else:
-        cfg["remat_policy"] = "full" if plan.recompute is Recompute.FULL else "minimal"
+    # layers/decoders.py get_remat_policy: 'full' saves nothing; 'minimal' saves every projection
+    # (q/k/v/out, MLP) and recomputes the attention output 'context' = Megatron's selective core_attn;
+    # 'minimal_with_context' saves all of them (only cheap unnamed elementwise ops are replayed)
+    cfg["remat_policy"] = {Recompute.NONE: "minimal_with_context", Recompute.SELECTIVE: "minimal",
+                           Recompute.FULL: "full"}[plan.recompute]
     cfg["dtype"] = "bfloat16"
     if problem.job.precision is Precision.FP8:
         cfg["quantization"] = "fp8"

@@ -138,6 +138,7 @@ def test_megatron_precision_and_framework_flags():
     ("bridge", "zero=2", "zero=2"),
     ("torchtitan", "zero=1", "zero=1"),
     ("torchtitan", "tp=2,sp=false", "sp=false"),
+    ("torchtitan", "recompute=selective", "recompute=selective"),
     ("maxtext", "pp=2,first_layers=12", "pipeline split"),
     ("maxtext", "tp=2,pp=8,mbs=64", "mbs"),
     ("deepspeed", "pp=2", "pp=2"),
@@ -176,14 +177,14 @@ def test_unknown_target_is_bad_input():
 def test_torchtitan_toml_parses_and_agrees_with_the_plan():
     tomllib = pytest.importorskip("tomllib")          # the standard library's TOML reader (Python >= 3.11)
     problem = api.build_problem(model="llama3-8b", gpu="h100", gpus=64, global_batch=256, seq_len=4096)
-    plan = api.plan_from_text("tp=2,pp=4,vpp=2,mbs=2,sp=true,zero=0,recompute=selective", problem)
+    plan = api.plan_from_text("tp=2,pp=4,vpp=2,mbs=2,sp=true,zero=0,recompute=full", problem)
     titan = tomllib.loads(export("torchtitan", plan, problem).text)
     par = titan["parallelism"]
     assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["data_parallel_replicate_degree"]) == (2, 4, 8)
     parts = par["module_fqns_per_model_part"]
     assert len(parts) == 8 and parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
     assert sum(sum(n.startswith("layers.") for n in p) for p in parts) == 32
-    assert titan["training"]["local_batch_size"] * 8 == 256
+    assert titan["training"]["local_batch_size"] * 8 == 256 and titan["activation_checkpoint"]["mode"] == "full"
 
 
 def test_maxtext_yaml_and_deepspeed_json_agree_with_the_plan():
@@ -195,6 +196,7 @@ def test_maxtext_yaml_and_deepspeed_json_agree_with_the_plan():
     assert (ici, dcn) == (8, 8)
     assert mx["num_pipeline_microbatches"] == 256 // (8 * 2) and mx["num_pipeline_repeats"] == 2
     assert mx["per_device_batch_size"] * 64 == 256
+    assert mx["remat_policy"] == "minimal"              # saves projections, recomputes attention output
     dp_plan = api.plan_from_text("tp=2,mbs=2,zero=1", problem)
     ds = json.loads(export("deepspeed", dp_plan, problem).text)
     # DeepSpeed: train_batch_size = micro * accumulation * data-parallel ranks (32 with AutoTP 2)
