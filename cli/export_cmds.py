@@ -2,9 +2,8 @@
 autotune.export, autotune.check and autotune.launch.
 
 Exit codes: 0 done / every condition holds; 1 a check condition fails (one line each, with the
-numbers); 2 bad input or a plan the target cannot express (one `error:` line); 3 the plan does not
-fit in memory (export and launch refuse such plans only when asked to run them: a config for a plan
-that does not fit is still a config).
+numbers); 2 bad input or a plan the target cannot express (one `error:` line). Export and launch do
+not judge memory (a short real run is how a doubtful prediction is checked); `check` does.
 """
 from __future__ import annotations
 
