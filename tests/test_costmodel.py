@@ -828,3 +828,23 @@ def test_gradients_are_finite(name, flash):
     assert float(g_hw["hbm_bw"]) != 0
     assert float(g_hw["peak_bf16"]) != 0
     assert float(g_e.gemm_eff_max) != 0
+
+
+def test_leading_dense_layers_sit_on_the_first_stage():
+    """DeepSeek-style first_k_dense_replace: with pp=2 and 2 of 4 layers dense, rank 0 holds the
+    two dense layers and rank 1 the two MoE layers (Megatron builds layers in order), so the peak
+    rank's weights are two whole MoE layers, not two averaged half-MoE layers."""
+    m = ModelSpec(
+        name="tiny-ds", num_layers=4, hidden_size=64, ffn_hidden_size=64, num_attention_heads=4,
+        num_kv_heads=4, vocab_size=128, gated_mlp=False, **{**TINY_MOE, "first_k_dense_layers": 2})
+    plan = Plan(tp=1, pp=2, dp=8, zero=0)
+    out = _eval_tiny(m, [plan])
+    h = m.hidden_size
+    moe_layer = (m.attention_params() + m.num_experts * m.mlp_params(m.moe_ffn_hidden_size)
+                 + m.num_shared_experts * m.mlp_params(m.moe_ffn_hidden_size) + h * m.num_experts)
+    dense_layer = m.attention_params() + m.mlp_params(m.ffn_hidden_size)
+    output_layer = m.vocab_size * h
+    rank1 = 2 * moe_layer + output_layer
+    rank0 = 2 * dense_layer + m.vocab_size * h
+    assert rank1 > rank0                       # the MoE stage is the peak
+    assert out["memory.weights"][0] == pytest.approx(2.0 * rank1, rel=MEM_RTOL)
