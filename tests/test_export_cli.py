@@ -203,6 +203,27 @@ def test_megatron_launch_runs_and_records_a_measurement(tmp_path, monkeypatch):
         rec["measured"]["tokens_per_s_per_gpu"])
 
 
+def test_megatron_launch_through_slurm_waits_for_sbatch_and_reads_its_log(tmp_path, monkeypatch):
+    (tmp_path / "pretrain_gpt.py").write_text("# stand-in\n")
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    log = tmp_path / "run.log"
+
+    def fake_sbatch(argv, **kw):
+        assert argv[:2] == ["sbatch", "--wait"]
+        script = open(argv[2]).read()
+        assert f"#SBATCH --output={log}" in script and "srun --kill-on-bad-exit=1 torchrun" in script
+        log.write_text(REAL_LINES)             # what SLURM's --output collects from the job
+        return subprocess.CompletedProcess(argv, 0)
+
+    problem = api.build_problem(model="llama3-70b", gpu="h100", gpus=16, global_batch=128, seq_len=4096)
+    plan = api.plan_from_text("tp=8,pp=2,sp=true,zero=0", problem)
+    res = megatron_launch(plan, problem, str(tmp_path), launcher="slurm", log_path=str(log), runner=fake_sbatch)
+    assert res["job"]["nodes"] == 2 and res["measurement"]["hardware"]["gpus_per_node"] == 8
+    failed = lambda argv, **kw: subprocess.CompletedProcess(argv, 1)      # noqa: E731
+    with pytest.raises(ValueError, match="megatron: the run exited with code 1"):
+        megatron_launch(plan, problem, str(tmp_path), launcher="slurm", log_path=str(log), runner=failed)
+
+
 def test_calibrate_megatron_log_checks_flags_against_the_log(tmp_path):
     log = tmp_path / "train.log"
     log.write_text("using world size: 64, data-parallel size: 4, context-parallel size: 1, tensor-model-parallel "
