@@ -67,7 +67,7 @@ def _uneven(plan: Plan) -> bool:
 # Megatron-LM
 # ------------------------------------------------------------------------------------------------
 
-#: Megatron --attention-backend values (core/transformer/enums.py AttnBackend)
+#: precision flags (arguments.py --bf16/--fp16; TransformerConfig fp8 / fp4 via --fp8-format / --fp4-format)
 _MEGATRON_PRECISION = {
     Precision.BF16: ["--bf16"],
     Precision.FP16: ["--fp16"],
@@ -202,11 +202,7 @@ def _megatron(plan: Plan, problem: Problem) -> Exported:
 
 # ---- parsing Megatron arguments back into a plan --------------------------------------------------
 
-_STORE_TRUE = {"sequence_parallel", "use_distributed_optimizer", "use_megatron_fsdp", "use_torch_fsdp2",
-               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-               "swiglu", "group_query_attention", "untie_embeddings_and_output_weights", "disable_bias_linear",
-               "bf16", "fp16", "overlap_grad_reduce", "overlap_param_gather", "grad_reduce_in_bf16",
-               "fp8_param_gather", "tp_comm_overlap", "moe_grouped_gemm", "multi_latent_attention", "mock_data"}
+#: flags that take several values (nargs='+')
 _NARGS = {"recompute_modules"}
 
 
