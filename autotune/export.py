@@ -585,8 +585,11 @@ def maxtext_config(plan: Plan, problem: Problem) -> dict:
     tensor_axis = "tensor_sequence" if plan.sp else "tensor"
     degrees = [(tensor_axis, plan.tp), ("context", plan.cp), ("expert", plan.ep), (data_axis, plan.dp // plan.ep),
                ("pipeline", plan.pp)]
-    cfg: dict = {}
-    for axis, ici, dcn in _split_ici_dcn(degrees, min(problem.cluster.nvlink_domain_size, n), t):
+    domain = min(problem.cluster.nvlink_domain_size, n)
+    # max_utils.get_num_slices: a user value wins; GPU devices carry no slice index, so say how many
+    # NVLink domains the DCN axes span
+    cfg: dict = {"num_slices": n // domain}
+    for axis, ici, dcn in _split_ici_dcn(degrees, domain, t):
         cfg[f"ici_{axis}_parallelism"] = ici
         cfg[f"dcn_{axis}_parallelism"] = dcn
     other = "data" if data_axis == "fsdp" else "fsdp"

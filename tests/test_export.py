@@ -193,7 +193,7 @@ def test_maxtext_yaml_and_deepspeed_json_agree_with_the_plan():
     mx = yaml.safe_load(export("maxtext", plan, problem).text)
     ici = np.prod([v for k, v in mx.items() if k.startswith("ici_")])
     dcn = np.prod([v for k, v in mx.items() if k.startswith("dcn_")])
-    assert (ici, dcn) == (8, 8)
+    assert (ici, dcn) == (8, 8) and mx["num_slices"] == 8
     assert mx["num_pipeline_microbatches"] == 256 // (8 * 2) and mx["num_pipeline_repeats"] == 2
     assert mx["per_device_batch_size"] * 64 == 256
     assert mx["remat_policy"] == "minimal"              # saves projections, recomputes attention output
