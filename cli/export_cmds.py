@@ -53,6 +53,14 @@ def _problem_and_plans(report, plan, model, gpu, gpus, global_batch, seq_len, pr
     if bool(report) == bool(plan):
         raise SpecError("plan", "give either --report FILE or --plan TEXT (with --model and the GPUs)")
     if report:
+        given = [n for n, v in (("--model", model), ("--gpu", gpu), ("--gpus", gpus), ("--global-batch", global_batch),
+                                ("--seq-len", seq_len), ("--gpus-per-node", gpus_per_node),
+                                ("--intra-node-bw", intra_node_bw), ("--inter-node-bw", inter_node_bw),
+                                ("--cluster", cluster)) if v is not None]
+        given += [f"--{k.replace('_', '-')}" for k, v in (framework or {}).items() if v is not None]
+        if given:
+            raise SpecError("report", f"the report carries its own problem; leave out {', '.join(given)} "
+                            "(or export a --plan for another problem)")
         doc = read_report(report)
         return problem_from_report(doc, report), report_plans(doc, top, report), report
     if not model:
@@ -191,6 +199,11 @@ def check_cmd(
     regression = parse_fraction(max_regression, "max-regression")
     is_file = plan_or_report.endswith(".json") or os.path.isfile(plan_or_report)
     if is_file and not model:
+        given = [n for n, v in (("--gpu", gpu), ("--gpus", gpus), ("--global-batch", global_batch), ("--seq-len", seq_len),
+                                ("--gpus-per-node", gpus_per_node), ("--cluster", cluster)) if v is not None]
+        if given:
+            raise SpecError("model", f"{', '.join(given)} describe another problem: give --model too, or leave them "
+                            "out to check the report on its own problem")
         problem, plans, _ = _problem_and_plans(plan_or_report, None, None, None, None, None, None, precision, None,
                                                None, None, None, None)
     else:

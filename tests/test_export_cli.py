@@ -46,6 +46,10 @@ def test_search_export_and_report_export_top(tmp_path):
     files = sorted(out.iterdir())
     assert len(files) == 2 and all(f.suffix == ".overrides" for f in files)
     assert "model.tensor_model_parallel_size=" in files[0].read_text()
+    # the report carries its problem: a problem flag beside it is an error, never silently ignored
+    assert_one_line_error(run("export", "--to", "megatron", "--report", str(saved), "--gpus", "16"), 2,
+                          "report", "--gpus")
+    assert_one_line_error(run("check", str(saved), "--gpus", "16"), 2, "model", "--gpus")
 
 
 def test_predict_prints_problem_and_plan_string():
