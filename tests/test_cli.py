@@ -65,7 +65,7 @@ SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
                                  "--seed", "--objective", "--storage", "--study", "--batch-size",
-                                 "--sensitivity", "--no-sensitivity"},
+                                 "--sensitivity", "--no-sensitivity", "--export"},
     "predict": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
     "validate": {"file", "--dataset", "--json", "--all", "--calibration"},
     "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
@@ -77,6 +77,13 @@ SURFACE = {
                "--gpus-per-node", "--memory-limit-gb", "--json"},
     "worker": {"--storage", "--study", "--trials", "--timeout", "--batch-size", "--seed", "--stale-after", "--json"},
     "studies": {"--storage", "--study", "--export", "--top", "--json"},
+    "export": (PROBLEM_OPTIONS - {"--memory-limit-gb", "--calibration"}) | FRAMEWORK_OPTIONS
+    | {"--to", "--report", "--plan", "--top", "--out"},
+    "check": {"plan_or_report", "--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision",
+              "--gpus-per-node", "--cluster", "--max-memory-frac", "--min-mfu", "--baseline", "--max-regression",
+              "--memory-limit-gb", "--calibration", "--json"},
+    "launch": {"--plan", "--model", "--megatron-path", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision",
+               "--gpus-per-node", "--cluster", "--launcher", "--train-iters", "--dry-run", "--log", "--out", "--json"},
 }
 
 
