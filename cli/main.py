@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autotune import __version__
-from cli import optuna_cmds
+from cli import export_cmds, optuna_cmds
 from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineErrors, check_problem_options,
                         configure_compile_cache, error_line, print_json, print_plans, print_table, spinner,
                         stdout_console, thousands)
@@ -67,19 +67,13 @@ def _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, 
 # Rendering
 # ---------------------------------------------------------------------------------------------
 
-def problem_line(problem) -> str:
-    """The problem solved, in one sentence: model with its parameter count, GPUs, batch, precision."""
-    counts = problem.model.param_counts()
-    params = f"{counts['total'] / 1e9:,.1f} B parameters"
-    if counts["active"] != counts["total"]:
-        params += f", {counts['active'] / 1e9:,.1f} B active"
-    cl, job = problem.cluster, problem.job
+def sliding_window_note(problem) -> str:
+    """A note when the model's sliding window is shorter than the sequence (costed as full attention)."""
     window = problem.model.sliding_window
-    if window and job.seq_len > window:
-        params += f"; sliding window {window:,} costed as full attention, an upper bound"
-    return (f"{problem.model.name} ({params}) on {cl.num_gpus:,} x {cl.gpu.name} (NVLink domain "
-            f"{cl.nvlink_domain_size}), global batch {job.global_batch:,} x {job.seq_len:,} tokens, "
-            f"{job.precision.value}")
+    if window and problem.job.seq_len > window:
+        return (f"Note: {problem.model.name} has a sliding attention window of {window:,} tokens; attention is "
+                f"costed as full causal attention over {problem.job.seq_len:,}, an upper bound.")
+    return ""
 
 
 def _space_line(space: dict, elapsed_s: float) -> str:
@@ -168,13 +162,23 @@ def search(
     with_sensitivity: Annotated[bool, typer.Option(
         "--sensitivity/--no-sensitivity",
         help="Add the best plan's elasticities (jax.jacfwd) to the report (first run in a fresh cache: ~8 s).")] = True,
+    framework: FrameworkOpt = None,
+    attention_backend: AttentionBackendOpt = None,
+    tp_comm_overlap: TpCommOverlapOpt = None,
+    grad_reduce_in_bf16: GradReduceBf16Opt = None,
+    fp8_param_gather: Fp8ParamGatherOpt = None,
+    moe_token_dispatcher_type: DispatcherOpt = None,
+    export_to: export_cmds.ExportOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     from autotune import api
     from autotune.files import check_writable_folder
     from autotune.report import add_sensitivity, save_report, search_report
 
+    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
+                           moe_token_dispatcher_type)
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
+    export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
     if not no_save:
         check_writable_folder(out, "out")          # before the search, not after it
@@ -183,11 +187,11 @@ def search(
     problem = None
     if gpu_count is None or isinstance(gpu_count, int):      # check the input before importing JAX/Optuna
         problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
-                           inter_node_bw, cluster)
+                           inter_node_bw, cluster, fw)
     choice = optuna_cmds.choose(strategy, gpus=gpu_count, objectives=objective, optuna_options=given,
                                 count_legal=lambda: optuna_cmds.legal_count(problem or _problem(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
-                                    intra_node_bw, inter_node_bw, cluster)))
+                                    intra_node_bw, inter_node_bw, cluster, fw)))
     if choice.strategy == "optuna":
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
@@ -195,7 +199,7 @@ def search(
             top=top, memory_limit_gb=memory_limit_gb, out=out, no_save=no_save, as_json=as_json,
             calibration=calibration, trials=trials, timeout=timeout, sampler=sampler, seed=seed,
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
-            requested=strategy, with_sensitivity=with_sensitivity)
+            requested=strategy, with_sensitivity=with_sensitivity, framework=fw, export_to=export_to)
     from autotune.search import NothingFits
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
@@ -212,6 +216,7 @@ def search(
     if with_sensitivity:
         with spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
+    export_cmds.finish_report(report, problem, export_to)
     saved, save_error = None, None
     if not no_save:
         try:
@@ -225,15 +230,12 @@ def search(
     if save_error:
         error_line(save_error)
         return EXIT_BAD_INPUT
-    return EXIT_OK
+    return export_cmds.export_exit(report)
 
 
 def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
-    from autotune.report import plan_text
     con = stdout_console()
-    con.print(Text(problem_line(problem)))
     print_plans(con, report["top"])
-    con.print(Text(f"Best plan as --plan: {plan_text(report['best']['plan'])}"))
     con.print()
     con.print(Text(report["explanation"]))
     con.print()
@@ -246,6 +248,10 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
     if strategy != "exhaustive":
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved."))
+    export_cmds.print_plan_lines(con, report)
+    note = sliding_window_note(problem)
+    if note:
+        con.print(Text(note))
 
 
 @app.command()
@@ -285,11 +291,15 @@ def predict(
     rep = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)
     code = EXIT_OK if rep["fits"] else EXIT_NOTHING_FITS
     if as_json:
-        print_json({**rep, "problem": problem_dict(problem), "calibration": params_source})
+        print_json({**rep, "problem": problem_dict(problem), "calibration": params_source,
+                    "problem_text": export_cmds.problem_text(problem), "plan_text": plan_text(rep["plan"])})
     else:
         mem = rep["memory_gb"]
         con = stdout_console()
-        con.print(Text(problem_line(problem)))
+        con.print(Text(f"Problem: {export_cmds.problem_text(problem)}."))
+        for line in filter(None, [sliding_window_note(problem)]):
+            con.print(Text(line))
+        con.print(Text(f"Plan: --plan \"{plan_text(rep['plan'])}\""))
         con.print(Text(f"Plan {plan_text(rep['plan'])}: {rep['step_time_s']:.3f} s per step, "
                        f"{thousands(rep['tokens_per_s_per_gpu'])} tokens/s per GPU, "
                        f"{rep['model_tflops_per_gpu']:,.0f} model TFLOP/s per GPU, MFU {rep['mfu']:.1%}, "
@@ -352,6 +362,8 @@ from cli.analysis_cmds import register as _register_analysis  # noqa: E402
 _register_analysis(app)
 # issue 4: worker / studies (search --strategy optuna|auto goes through optuna_cmds.run_optuna_search)
 optuna_cmds.register(app)
+# issue 13/14: export / check / launch (search --export goes through export_cmds.finish_report)
+export_cmds.register(app)
 from cli import list_cmds  # noqa: E402  (issue 13: models / gpus / clusters)
 
 list_cmds.register(app)

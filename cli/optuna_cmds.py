@@ -193,11 +193,13 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       sampler: Optional[str], seed: Optional[int], objectives: Optional[list],
                       storage: Optional[str], study: Optional[str], batch_size: Optional[int],
                       choice: osr.StrategyChoice | None = None, requested: str = "optuna",
-                      with_sensitivity: bool = True) -> int:
+                      with_sensitivity: bool = True, framework: Optional[dict] = None,
+                      export_to: str | None = None) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
     from autotune import api
     from autotune.report import add_sensitivity, save_report, search_report
     from autotune.search import NothingFits
+    from cli.export_cmds import export_exit, finish_report, print_plan_lines
     from search_spaces.optuna_space import GpuRange
     if isinstance(gpus, GpuRange) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
@@ -207,6 +209,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         model=model, gpu=gpu, gpus=gpus_text, global_batch=global_batch, seq_len=seq_len, precision=precision,
         gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw,
         cluster_file=cluster, memory_limit_gb=memory_limit_gb, calibration=calibration,
+        framework={k: v for k, v in (framework or {}).items() if v is not None},
         objectives=_osr().parse_objectives(objectives or ()), sampler=sampler or _osr().DEFAULT_SAMPLER, seed=seed,
         batch_size=_osr().DEFAULT_BATCH if batch_size is None else batch_size)
     if trials is None and timeout is None:
@@ -229,6 +232,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     if with_sensitivity and getattr(result, "problem", None) is not None:
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
+    finish_report(report, result.problem, export_to)
     saved, save_error = None, None
     if not no_save:
         try:
@@ -244,7 +248,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         _print_json(report)
         if save_error or code == EXIT_INTERRUPTED:
             _error_line(save_error or f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
-        return code
+        return code or export_exit(report)
     con = _console()
     con.print(Text(f"Strategy: optuna ({report['strategy_choice']['reason']}); sampler {info['sampler']}, "
                    f"seed {info['seed']}, batch {info['batch_size']}."))
@@ -264,9 +268,10 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         con.print(Text(f"Report saved to {saved[0]}, {saved[1]}{plot}"))
     else:
         con.print(Text("Report not saved."))
+    print_plan_lines(con, report)
     if save_error or code == EXIT_INTERRUPTED:
         _error_line(save_error or f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
-    return code
+    return code or export_exit(report)
 
 
 # ------------------------------------------------------------------------------------------------

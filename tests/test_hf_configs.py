@@ -60,7 +60,7 @@ def test_mistral_sliding_window_is_read_and_said(tmp_path):
                                  "--global-batch", "16", "--seq-len", "8192", "--plan", "tp=8,recompute=full"])
     assert result.exit_code in (0, 3), result.stderr
     # Mistral 7B: 7.24 B parameters (Jiang et al. 2023, "Mistral 7B", model card: 7.3B)
-    assert "7.2 B parameters" in result.stdout and "sliding window 4,096" in result.stdout
+    assert "7.2 B parameters" in result.stdout and "sliding attention window of 4,096" in result.stdout
 
 
 def test_text_config_without_a_model_type_names_the_problem():
