@@ -14,7 +14,6 @@ import sys
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
 from autotune import api
@@ -23,6 +22,7 @@ from autotune.export import TARGETS, ExportRefused, export, parse_target
 from autotune.files import read_json
 from autotune.launch import LAUNCHERS, megatron_launch
 from autotune.saved import problem_from_report, read_report, report_plans
+from cli.common import print_json as _print_json, stdout_console as _console
 from cli.options import (AttentionBackendOpt, CalibrationOpt, ClusterOpt, DispatcherOpt, Fp8ParamGatherOpt,
                          FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt, GpusPerNodeOpt, GradReduceBf16Opt, InterBwOpt,
                          IntraBwOpt, JsonOpt, MemLimitOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
@@ -36,15 +36,6 @@ ToOpt = Annotated[str, typer.Option("--to", help=f"Target: {', '.join(TARGETS)}.
 ReportOpt = Annotated[Optional[str], typer.Option("--report", help="A saved search report (JSON) to export from.")]
 PlanOpt = Annotated[Optional[str], typer.Option("--plan", help='A plan, e.g. "tp=8,pp=4,vpp=5,recompute=selective,sp=true,zero=1".')]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Model preset or config.json (with --plan).")]
-
-
-def _print_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
-
-
-def _console() -> Console:
-    con = Console(highlight=False)
-    return con if con.is_terminal else Console(highlight=False, width=max(con.width, 200))
 
 
 def _problem_and_plans(report, plan, model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node,
