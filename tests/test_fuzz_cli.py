@@ -102,10 +102,11 @@ VALUE = st.one_of(st.integers(-2, 64).map(str), st.sampled_from(["true", "False"
 
 
 @FUZZ
-@given(parts=st.lists(st.tuples(KNOB, VALUE), max_size=5), as_json=st.booleans())
-def test_fuzz_plans(parts, as_json):
+@given(parts=st.lists(st.tuples(KNOB, VALUE), max_size=5), as_json=st.booleans(),
+       command=st.sampled_from([["predict"], ["export", "--to", "megatron"], ["export", "--to", "torchtitan"]]))
+def test_fuzz_plans(parts, as_json, command):
     plan = ",".join(f"{k}={v}" for k, v in parts)
-    result = run("predict", *SMALL, "--plan", plan, *(["--json"] if as_json else []))
+    result = run(*command, *SMALL, "--plan", plan, *(["--json"] if as_json else []))
     assert_contract(result, as_json=as_json)
 
 
