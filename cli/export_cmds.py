@@ -16,12 +16,6 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from autotune import api
-from autotune.check import DEFAULT_MAX_MEMORY_FRAC, check_plan, parse_fraction
-from autotune.export import TARGETS, ExportRefused, export, parse_target
-from autotune.files import read_json
-from autotune.launch import LAUNCHERS, megatron_launch
-from autotune.saved import problem_from_report, read_report, report_plans
 from cli.common import print_json as _print_json, stdout_console as _console
 from cli.options import (AttentionBackendOpt, CalibrationOpt, ClusterOpt, DispatcherOpt, Fp8ParamGatherOpt,
                          FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt, GpusPerNodeOpt, GradReduceBf16Opt, InterBwOpt,
@@ -30,6 +24,18 @@ from cli.options import (AttentionBackendOpt, CalibrationOpt, ClusterOpt, Dispat
 from costmodels.specs import SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+# Spelled here so that building the CLI (`autotune --help`, any bad-input error) imports neither
+# numpy nor JAX; tests/test_fuzz_cli.py checks they equal autotune.export.TARGETS,
+# autotune.launch.LAUNCHERS and autotune.check.DEFAULT_MAX_MEMORY_FRAC.
+TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed")
+LAUNCHERS = ("torchrun", "slurm")
+DEFAULT_MAX_MEMORY_FRAC = 0.92
+
+
+def parse_target(text: str) -> str:
+    from autotune.export import parse_target as parse
+    return parse(text)
 
 ExportOpt = Annotated[Optional[str], typer.Option("--export", help=f"Also write the best plan for: {', '.join(TARGETS)}.")]
 ToOpt = Annotated[str, typer.Option("--to", help=f"Target: {', '.join(TARGETS)}.")]
@@ -41,6 +47,8 @@ ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Model preset o
 def _problem_and_plans(report, plan, model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node,
                        intra_node_bw, inter_node_bw, cluster, framework, top=1):
     """(problem, plans, source): a saved report's problem and its top plans, or --plan + problem options."""
+    from autotune import api
+    from autotune.saved import problem_from_report, read_report, report_plans
     if bool(report) == bool(plan):
         raise SpecError("plan", "give either --report FILE or --plan TEXT (with --model and the GPUs)")
     if report:
@@ -79,6 +87,7 @@ def problem_text(problem) -> str:
 def finish_report(report: dict, problem, export_to: str | None = None) -> dict:
     """Add the problem line, the best plan as a --plan string and (with `export_to`) its export to a
     search report: keys `problem_text`, `plan_text`, `export` ({to, plan, text})."""
+    from autotune.export import ExportRefused, export
     from autotune.report import plan_text
     from costmodels.plan import Plan
 
@@ -136,6 +145,7 @@ def export_cmd(
     as_json: JsonOpt = False,
 ) -> int:
     """Write a plan as Megatron-LM arguments, Megatron-Bridge overrides, torchtitan TOML, MaxText YAML or DeepSpeed JSON."""
+    from autotune.export import export
     target = parse_target(to)
     problem, plans, _ = _problem_and_plans(
         report, plan, model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw, inter_node_bw,
@@ -187,6 +197,10 @@ def check_cmd(
     as_json: JsonOpt = False,
 ) -> int:
     """CI gate: exit 0 when the plan fits under --max-memory-frac (and --min-mfu, --baseline hold), 1 when one fails."""
+    from autotune import api
+    from autotune.check import check_plan, parse_fraction
+    from autotune.files import read_json
+    from autotune.saved import read_report, report_plans
     regression = parse_fraction(max_regression, "max-regression")
     is_file = plan_or_report.endswith(".json") or os.path.isfile(plan_or_report)
     if is_file and not model:
@@ -243,6 +257,8 @@ def launch_cmd(
     as_json: JsonOpt = False,
 ) -> int:
     """Run a plan with Megatron-LM for a few iterations (torchrun or SLURM) and record the measurement."""
+    from autotune import api
+    from autotune.launch import megatron_launch
     problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                                 precision=precision, gpus_per_node=gpus_per_node, cluster_file=cluster)
     the_plan = api.plan_from_text(plan, problem)
