@@ -191,7 +191,7 @@ LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, 
     ("dup.json", '{"gpu": "h100", "gpus": 8, "gpu": "b200"}', "twice"),
     ("deep.json", "[" * 100_000 + "]" * 100_000, "nests deeper"),
     ("big.json", '{"gpus": ' + "9" * 5000 + "}", "cluster_file"),
-    ("slow.yaml", "gpu: h100\ngpus: 8\ninter_node_bandwidth_gbps: 1.0e-300\n", "inter_node_bandwidth_gbps"),
+    ("slow.yaml", "gpu: h100\ngpus: 8\ninter_node_bandwidth_gb_per_s: 1.0e-300\n", "inter_node_bandwidth"),
     ("late.yaml", "gpu: h100\ngpus: 8\nintra_node_latency_us: 1.0e+300\n", "intra_node_latency_us"),
 ])
 def test_hostile_cluster_files(tmp_path, name, text, needle):
