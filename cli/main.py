@@ -180,14 +180,14 @@ def search(
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
-    if not no_save:
-        check_writable_folder(out, "out")          # before the search, not after it
     given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed, objective,
                                                                       storage, study, batch_size)) if value is not None]
     problem = None
     if gpu_count is None or isinstance(gpu_count, int):      # check the input before importing JAX/Optuna
         problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
                            inter_node_bw, cluster, fw)
+    if not no_save:
+        check_writable_folder(out, "out")          # before the search (after the input is checked), not after it
     choice = optuna_cmds.choose(strategy, gpus=gpu_count, objectives=objective, optuna_options=given,
                                 count_legal=lambda: optuna_cmds.legal_count(problem or _problem(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
