@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import jax
@@ -122,17 +123,11 @@ def rope(x, positions):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention_core(q, k, v):
-    """Causal softmax(q k^T / sqrt(d)) v with grouped KV heads: q [b,s,a,d], k/v [b,s,g,d]."""
-    b, s, a, d = q.shape
-    g = k.shape[2]
-    qg = q.reshape(b, s, g, a // g, d)
-    scores = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k).astype(jnp.float32) / math.sqrt(d)
-    causal = jnp.tril(jnp.ones((s, s), bool))
-    scores = jnp.where(causal, scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bgrqk,bkgd->bqgrd", probs, v)
-    return out.reshape(b, s, a, d)
+def attention_core(q, k, v, implementation: str = "xla"):
+    """Causal softmax(q k^T / sqrt(d)) v with grouped KV heads: q [b,s,a,d], k/v [b,s,g,d].
+    "xla" materialises the s x s scores (unfused attention); "cudnn" is cuDNN's fused (flash)
+    attention kernel, GPU only."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
 def swiglu(x, w_gate, w_up, w_down, shard=no_shard):
@@ -181,7 +176,8 @@ def moe_block(x, p, dm: Dims, moe_dispatch=None):
     return y.reshape(b, s, h)
 
 
-def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none", moe_dispatch=None):
+def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none", moe_dispatch=None,
+          attention: str = "xla"):
     """One pre-norm block. recompute="selective" recomputes the attention core in backward (only its
     inputs q, k, v are saved: Korthikanti et al. 2022 sec. 4.2); "full" is applied by the caller."""
     b, s, _ = x.shape
@@ -191,9 +187,9 @@ def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none",
     v = shard((hn @ p["wv"]).reshape(b, s, dm.kv_heads, dm.head_dim), "heads")
     q, k = rope(q, positions), rope(k, positions)
     k, v = shard(k, "kv_full"), shard(v, "kv_full")          # context parallel: all-gather K/V
-    core = attention_core
+    core = partial(attention_core, implementation=attention)
     if recompute == "selective":
-        core = jax.checkpoint(attention_core, policy=jax.checkpoint_policies.nothing_saveable)
+        core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
     att = shard(core(q, k, v), "heads").reshape(b, s, dm.heads * dm.head_dim)
     x = shard(x + att @ p["wo"], "hidden")
     hn = shard(rms_norm(x, p["mlp_norm"]), "hidden_full")
@@ -207,7 +203,7 @@ def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none",
 
 
 def layers_scan(x, layer_params, positions, dm: Dims, *, shard=no_shard, recompute="none",
-                moe_dispatch=None, cast=None):
+                moe_dispatch=None, cast=None, attention="xla"):
     """Run a stack of layers ([n, ...] leading axis) with lax.scan. `cast(p)` turns a layer's stored
     weights into compute weights (bf16 cast, and the ZeRO-3 all-gather) inside the scan, so gathered
     weights live one layer at a time."""
@@ -215,7 +211,7 @@ def layers_scan(x, layer_params, positions, dm: Dims, *, shard=no_shard, recompu
         if cast is not None:
             p = cast(p)
         fn = lambda h_, p_: layer(h_, p_, positions, dm, shard=shard,                # noqa: E731
-                                  recompute=recompute, moe_dispatch=moe_dispatch)
+                                  recompute=recompute, moe_dispatch=moe_dispatch, attention=attention)
         if recompute == "full":
             fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
         return fn(h, p), None

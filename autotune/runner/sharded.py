@@ -54,6 +54,7 @@ class RunShape:
     global_batch: int                 # sequences per optimizer step
     compute_dtype: str = "bfloat16"
     learning_rate: float = 1e-3
+    attention: str = "xla"            # "xla" (unfused, any device) or "cudnn" (fused, GPU)
 
     @property
     def num_micro_batches(self) -> int:
@@ -245,7 +246,7 @@ class ShardedModel:
         positions = jnp.arange(self.shape.seq_len)
         return partial(M.layers_scan, positions=positions, dm=self.dm, shard=self.shard,
                        recompute=self.shape.recompute, moe_dispatch=self._moe_dispatch(),
-                       cast=self._layer_cast())
+                       cast=self._layer_cast(), attention=self.shape.attention)
 
     def _outer(self, weights):
         """Embedding, final norm and head weights in the compute dtype and their TP specs."""
