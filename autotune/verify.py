@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import jax
 
+from costmodels.params import EfficiencyParams
 from costmodels.plan import Plan
 from costmodels.specs import AttentionBackend, ModelSpec, Precision, Recompute, SpecError
 from search_spaces.space import Problem
@@ -149,6 +150,7 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
     if reason:
         raise SpecError("plan", f"the jax runner cannot run this plan: {reason}")
     predicted_run = predict(rp, choice.plan, params)
+    predicted_run["memory_gb_dynamic"] = predict(rp, choice.plan, dynamic_memory_params(params))["memory_gb"]
     predicted_full = predict(problem, plan, params)
     meas = measure(shape, devices, steps=steps, warmup=warmup, on_step=on_step)
     flops = model_flops_per_step(dims, shape.seq_len, shape.global_batch)
@@ -162,6 +164,13 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
             "predicted_full_plan": {"plan": plan.as_dict(), "step_time_s": predicted_full["step_time_s"],
                                     "memory_gb": predicted_full["memory_gb"]["total"]},
             "error": meas.error, "record": record}
+
+
+def dynamic_memory_params(params: EfficiencyParams | None) -> EfficiencyParams:
+    """The cost model without the framework's fixed memory (CUDA context, NCCL buffers) and the
+    allocator's fragmentation factor: what XLA's buffer assignment and the BFC allocator's
+    peak_bytes_in_use count, so the memory terms are compared like for like."""
+    return (params or EfficiencyParams())._replace(mem_fixed_bytes=0.0, mem_fragmentation=1.0)
 
 
 def _err(pred: float | None, meas: float | None):
@@ -183,8 +192,10 @@ def comparison(pred: dict, meas, platform: str) -> dict:
                         "spread": meas.spread, "n_steps": len(meas.step_times_s)},
         "tokens_per_s": {"predicted": pred["tokens_per_s"], "measured": tok,
                          "error_pct": _err(pred["tokens_per_s"], tok) if comparable else None},
-        "memory_gb": {"predicted": pred["memory_gb"]["total"], "measured": mem,
-                      "error_pct": _err(pred["memory_gb"]["total"], mem), "source": meas.memory_source},
+        "memory_gb": {"predicted": pred["memory_gb_dynamic"]["total"], "measured": mem,
+                      "error_pct": _err(pred["memory_gb_dynamic"]["total"], mem), "source": meas.memory_source,
+                      "predicted_breakdown": pred["memory_gb_dynamic"],
+                      "predicted_with_fixed_overhead": pred["memory_gb"]["total"]},
         "fits_predicted": pred["fits"],
     }
 

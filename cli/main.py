@@ -436,6 +436,9 @@ from cli.analysis_cmds import register as _register_analysis  # noqa: E402
 _register_analysis(app)
 # issue 4: worker / studies (search --strategy optuna|auto goes through optuna_cmds.run_optuna_search)
 optuna_cmds.register(app)
+# issue 14: verify (and search --verify-top, in cli/verify_cmds.py)
+from cli import verify_cmds  # noqa: E402
+verify_cmds.register(app)
 
 
 if __name__ == "__main__":
