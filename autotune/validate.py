@@ -181,6 +181,9 @@ def case_from_row(row: dict) -> RowCase:
         framework=Framework.DEEPSPEED if plan.get("zero_key") == 2 else Framework.MEGATRON,
         attention_backend=AttentionBackend.FLASH if modern else AttentionBackend.UNFUSED,
         tp_comm_overlap=modern)
+    if isinstance((row.get("run") or {}).get("framework"), dict):    # a run that states its framework options
+        from .api import framework_spec                                 # (autotune verify's records)
+        framework = framework_spec(**row["run"]["framework"])
     job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision,
                   framework=framework)
     fixed, filled = {}, []

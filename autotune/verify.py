@@ -32,6 +32,10 @@ from .search import predict
 #: runners this build has; `megatron` comes with the Megatron exporter (issue 14 item 3)
 RUNNERS = ("jax",)
 _DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
+#: what the jax runner does, in Megatron's option names: no TP-communication overlap (no TE userbuffers),
+#: fp32 gradient accumulation, XLA schedules the DP collectives (not Megatron's bucketed overlap)
+RUN_FRAMEWORK = {"tp_comm_overlap": False, "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
+                 "overlap_param_gather": False}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,9 +103,9 @@ def choose_run(problem: Problem, plan: Plan, n_devices: int, *, proxy: bool = Fa
 
 def run_problem(problem: Problem, choice: RunChoice, attention_backend: AttentionBackend) -> Problem:
     """The problem the run solves (its layers, devices, batch, attention kernel), for the cost model."""
-    job = dataclasses.replace(problem.job, global_batch=choice.global_batch,
-                              framework=dataclasses.replace(problem.job.framework,
-                                                            attention_backend=attention_backend))
+    from .api import framework_spec
+    fw = framework_spec(attention_backend=attention_backend.value, **RUN_FRAMEWORK)
+    job = dataclasses.replace(problem.job, global_batch=choice.global_batch, framework=fw)
     cluster = dataclasses.replace(problem.cluster, num_gpus=choice.num_devices, num_sites=1)
     return Problem(runner_spec(problem.model, choice.num_layers), cluster, job)
 
@@ -242,14 +246,69 @@ def make_record(problem: Problem, rp: Problem, choice: RunChoice, shape, meas, f
                   + ("Proxy run of a larger plan: " + "; ".join(choice.predicted_terms) + " not measured."
                      if choice.proxy else "")),
         "derived_fields": ["measured.tflops_per_gpu", "measured.mfu", "measured.tokens_per_s_per_gpu"],
-        "run": {"runner": "jax", "proxy": choice.proxy, "measured_terms": list(choice.measured_terms),
+        "run": {"runner": "jax", "proxy": choice.proxy, "framework": run_framework(rp), "measured_terms": list(choice.measured_terms),
                 "predicted_terms": list(choice.predicted_terms), "machine": machine,
                 "predicted": {"step_time_s": predicted_run["step_time_s"],
                               "memory_gb": predicted_run["memory_gb"]["total"]}},
     }
 
 
+def run_framework(rp: Problem) -> dict:
+    """The framework options the run had (api.framework_spec's names), so calibration predicts it
+    as it ran: the attention kernel used, no TP-communication overlap, fp32 gradient reduction."""
+    return {"attention_backend": rp.job.framework.attention_backend.value, **RUN_FRAMEWORK}
+
+
 def plan_slug(p: Plan) -> str:
     rec = {Recompute.NONE: "none", Recompute.SELECTIVE: "sel", Recompute.FULL: "full"}[p.recompute]
     return (f"tp{p.tp}-pp{p.pp}-dp{p.dp}-cp{p.cp}-ep{p.ep}-mbs{p.mbs}-{rec}"
             f"{'-sp' if p.sp else ''}-z{p.zero}")
+
+
+def verify_top(problem: Problem, top: list, k: int, *, gpu_key: str, steps: int = 3, params=None, devices=None,
+               on_result=None) -> dict:
+    """Measure the first k plans of a search (`top`: its plan reports), each as a full run when the
+    devices suffice, else as a proxy; re-rank them by the measured step time. A proxy (or a --layers
+    run) does not measure the whole step, so its plan is ranked by the full plan's prediction scaled by
+    the run's measured / predicted ratio (a full run's scaled value is its measured time). On a CPU
+    times are not comparable with the GPU preset, so the predicted order is kept and said so. A plan
+    the runner cannot build, or one that runs out of memory, is recorded and the others still run;
+    Ctrl-C stops and keeps the finished ones."""
+    if k < 1:
+        raise SpecError("verify-top", f"must be at least 1, got {k}")
+    devices = list(devices or jax.devices())
+    entries, interrupted = [], False
+    for rank, rep in enumerate(top[:k], 1):
+        plan = Plan.from_dict(rep["plan"])
+        entry = {"predicted_rank": rank, "plan": rep["plan"], "predicted_step_time_s": rep["step_time_s"]}
+        try:
+            res = verify_plan(problem, plan, gpu_key=gpu_key, steps=steps, proxy=plan.num_gpus > len(devices),
+                              params=params, devices=devices)
+        except SpecError as exc:
+            entry.update(status="skipped", reason=str(exc))
+        except KeyboardInterrupt:
+            interrupted = True
+            break
+        else:
+            st = res["comparison"]["step_time_s"]
+            ratio = st["measured"] / st["predicted"] if st["measured"] else None
+            entry.update(status=res["status"], proxy=res["proxy"], run=res, measured_run_step_time_s=st["measured"],
+                         predicted_run_step_time_s=st["predicted"],
+                         corrected_step_time_s=rep["step_time_s"] * ratio if ratio else None)
+            if res["status"] == "interrupted":
+                interrupted = True
+        entries.append(entry)
+        if on_result:
+            on_result(entry)
+        if interrupted:
+            break
+    on_gpu = devices[0].platform == "gpu"
+    timed = [e for e in entries if e.get("corrected_step_time_s")]
+    order = sorted(timed, key=lambda e: e["corrected_step_time_s"]) if on_gpu else timed
+    for i, e in enumerate(order, 1):
+        e["measured_rank"] = i if on_gpu else None
+    return {"k": k, "steps": steps, "platform": devices[0].platform, "interrupted": interrupted,
+            "reranked": on_gpu, "plans": entries,
+            "note": ("re-ranked by measured step time (proxies: the full plan's prediction x measured/predicted "
+                     "of the run)") if on_gpu else
+                    "measured on CPU: step times are not comparable with the GPU preset, predicted order kept"}

@@ -31,7 +31,7 @@ from autotune.report import (TIME_LABELS, add_sensitivity, extras_text, plan_tex
                              search_report, uses_extras)
 from autotune.scoring import enable_compile_cache
 from autotune.search import NothingFits
-from cli import optuna_cmds
+from cli import optuna_cmds, verify_cmds
 from costmodels.specs import SpecError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 2, 3
@@ -273,6 +273,7 @@ def search(
     with_sensitivity: Annotated[bool, typer.Option(
         "--sensitivity/--no-sensitivity",
         help="Add the best plan's elasticities (jax.jacfwd) to the report (first run in a fresh cache: ~8 s).")] = True,
+    verify_top: verify_cmds.VerifyTopOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     _check_memory_limit(memory_limit_gb)
@@ -284,6 +285,7 @@ def search(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
                                     intra_node_bw, inter_node_bw, cluster)))
     if choice.strategy == "optuna":
+        verify_cmds.refuse_with_optuna(verify_top)
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
             gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, cluster=cluster,
@@ -308,6 +310,8 @@ def search(
     if with_sensitivity:
         with _spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
+    if verify_top:
+        report["verification"] = verify_cmds.search_verification(problem, report, verify_top, params, as_json, out, no_save)
     saved = None
     if not no_save:
         try:
@@ -328,6 +332,8 @@ def search(
             con.print(Text(f"  - {sentence}"))
         con.print()
     con.print(Text(_space_line(report["space"], report["elapsed_s"])))
+    if verify_top:
+        verify_cmds.print_verification(con, report["verification"])
     if strategy != "exhaustive":
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved (--no-save)."))
@@ -436,9 +442,7 @@ from cli.analysis_cmds import register as _register_analysis  # noqa: E402
 _register_analysis(app)
 # issue 4: worker / studies (search --strategy optuna|auto goes through optuna_cmds.run_optuna_search)
 optuna_cmds.register(app)
-# issue 14: verify (and search --verify-top, in cli/verify_cmds.py)
-from cli import verify_cmds  # noqa: E402
-verify_cmds.register(app)
+verify_cmds.register(app)   # issue 14: verify (search --verify-top: cli/verify_cmds.py)
 
 
 if __name__ == "__main__":

@@ -136,3 +136,43 @@ def verify(
 
 def register(app: typer.Typer) -> None:
     app.command("verify")(verify)
+
+
+VerifyTopOpt = Annotated[Optional[int], typer.Option("--verify-top", min=1, help="Measure the best K plans with the "
+                                                     "jax runner (proxies when devices are few) and re-rank them.")]
+
+
+def search_verification(problem, report: dict, k: int, params, as_json: bool, out: str, no_save: bool) -> dict:
+    """`search --verify-top K`: measure the report's top plans; their records saved in OUT/measurements."""
+    from autotune.verify import verify_top
+    con = _console(as_json)
+    show = lambda e: con.print(Text(f"  verified #{e['predicted_rank']}: {e['status']}"))   # noqa: E731
+    ver = verify_top(problem, report["top"], k, gpu_key=problem.cluster.gpu.name, params=params,
+                     on_result=None if as_json else show)
+    records = [e["run"]["record"] for e in ver["plans"] if "run" in e]
+    ver["saved"] = save_records(records, os.path.join(out, "measurements"), "verify_top") if records and not no_save else None
+    return ver
+
+
+def print_verification(con: Console, ver: dict) -> None:
+    t = Table(title=f"Verified top {ver['k']} ({ver['platform']}, {ver['steps']} steps each): {ver['note']}",
+              title_justify="left")
+    for col in ("predicted #", "measured #", "plan", "run", "predicted s", "measured s (run)", "predicted s (run)",
+                "mem pred GB", "mem meas GB", "status"):
+        t.add_column(col, justify="left" if col in ("plan", "run", "status") else "right")
+    for e in ver["plans"]:
+        run = e.get("run") or {}
+        mem = (run.get("comparison") or {}).get("memory_gb") or {}
+        t.add_row(str(e["predicted_rank"]), _fmt(e.get("measured_rank"), "d"), plan_slug(Plan.from_dict(e["plan"])),
+                  ("proxy" if e.get("proxy") else "full") if run else "-", _fmt(e["predicted_step_time_s"], ".4f"),
+                  _fmt(e.get("measured_run_step_time_s"), ".4f"), _fmt(e.get("predicted_run_step_time_s"), ".4f"),
+                  _fmt(mem.get("predicted"), ".3f"), _fmt(mem.get("measured"), ".3f"),
+                  e["status"] + (f": {e['reason']}" if e.get("reason") else ""))
+    con.print(t)
+    if ver.get("saved"):
+        con.print(Text(f"Measurements saved to {ver['saved']}"))
+
+
+def refuse_with_optuna(verify_top: Optional[int]) -> None:
+    if verify_top:
+        raise SpecError("verify-top", "works with the exhaustive search only; add --strategy exhaustive")

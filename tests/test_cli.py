@@ -65,7 +65,7 @@ SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
                                  "--seed", "--objective", "--storage", "--study", "--batch-size",
-                                 "--sensitivity", "--no-sensitivity"},
+                                 "--sensitivity", "--no-sensitivity", "--verify-top"},
     "predict": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
     "validate": {"file", "--dataset", "--json", "--all", "--calibration"},
     "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
@@ -77,6 +77,8 @@ SURFACE = {
                "--gpus-per-node", "--memory-limit-gb", "--json"},
     "worker": {"--storage", "--study", "--trials", "--timeout", "--batch-size", "--seed", "--stale-after", "--json"},
     "studies": {"--storage", "--study", "--export", "--top", "--json"},
+    "verify": {"--model", "--plan", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--steps",
+               "--warmup", "--runner", "--proxy", "--layers", "--out", "--no-save", "--json", "--calibration"},
 }
 
 
