@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import jax
 
+from costmodels.memory import FIXED_BYTES
 from costmodels.params import EfficiencyParams
 from costmodels.plan import Plan
 from costmodels.specs import AttentionBackend, ModelSpec, Precision, Recompute, SpecError
@@ -154,7 +155,7 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
     if reason:
         raise SpecError("plan", f"the jax runner cannot run this plan: {reason}")
     predicted_run = predict(rp, choice.plan, params)
-    predicted_run["memory_gb_dynamic"] = predict(rp, choice.plan, dynamic_memory_params(params))["memory_gb"]
+    predicted_run["memory_gb_dynamic"] = dynamic_memory_gb(predicted_run, params)
     predicted_full = predict(problem, plan, params)
     meas = measure(shape, devices, steps=steps, warmup=warmup, on_step=on_step)
     flops = model_flops_per_step(dims, shape.seq_len, shape.global_batch)
@@ -170,11 +171,15 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
             "error": meas.error, "record": record}
 
 
-def dynamic_memory_params(params: EfficiencyParams | None) -> EfficiencyParams:
-    """The cost model without the framework's fixed memory (CUDA context, NCCL buffers) and the
+def dynamic_memory_gb(pred: dict, params: EfficiencyParams | None) -> dict:
+    """The predicted memory without the framework's fixed bytes (CUDA context, NCCL buffers) and the
     allocator's fragmentation factor: what XLA's buffer assignment and the BFC allocator's
     peak_bytes_in_use count, so the memory terms are compared like for like."""
-    return (params or EfficiencyParams())._replace(mem_fixed_bytes=0.0, mem_fragmentation=1.0)
+    mem = pred["memory_gb"]
+    frag = (params or EfficiencyParams()).mem_fragmentation
+    dynamic = (mem["total"] - FIXED_BYTES / 1e9) / frag
+    return {"total": dynamic, **{k: mem[k] for k in ("weights", "gradients", "optimizer", "activations")},
+            "other": dynamic - sum(mem[k] for k in ("weights", "gradients", "optimizer", "activations"))}
 
 
 def _err(pred: float | None, meas: float | None):
