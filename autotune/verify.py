@@ -254,7 +254,8 @@ def make_record(problem: Problem, rp: Problem, choice: RunChoice, shape, meas, f
         "run": {"runner": "jax", "proxy": choice.proxy, "framework": run_framework(rp), "measured_terms": list(choice.measured_terms),
                 "predicted_terms": list(choice.predicted_terms), "machine": machine,
                 "predicted": {"step_time_s": predicted_run["step_time_s"],
-                              "memory_gb": predicted_run["memory_gb"]["total"]}},
+                              "memory_gb": predicted_run["memory_gb"]["total"],
+                              "memory_gb_without_fixed": predicted_run["memory_gb_dynamic"]["total"]}},
     }
 
 

@@ -68,6 +68,12 @@ def xla_memory_analysis(compiled) -> dict | None:
     return out
 
 
+def compiled_memory(shape: RunShape, devices) -> dict | None:
+    """XLA's memory analysis of one device's compiled training step, without running or allocating."""
+    sm = ShardedModel(shape, devices)
+    return xla_memory_analysis(sm.jitted_step().lower(*sm.abstract_inputs()).compile())
+
+
 def device_peak_bytes(devices) -> float | None:
     peaks = []
     for d in devices:

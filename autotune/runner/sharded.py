@@ -334,6 +334,15 @@ class ShardedModel:
         build = lambda key: self._state_from(M.init_params(self.dm, key))   # noqa: E731
         return jax.jit(build, out_shardings=self._tree_ns(self.state_specs))(jax.random.key(seed))
 
+    def abstract_inputs(self):
+        """(state, tokens, targets) as sharded ShapeDtypeStructs: lower and compile without allocating."""
+        st = jax.eval_shape(self._state_from, jax.eval_shape(lambda k: M.init_params(self.dm, k), jax.random.key(0)))
+        shard = self._tree_ns(self.state_specs)
+        state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), st, shard)
+        m, b = self.shape.num_micro_batches, self.plan.dp * self.plan.mbs
+        data = jax.ShapeDtypeStruct((m, b, self.shape.seq_len), jnp.int32, sharding=self._ns(self.data_spec))
+        return state, data, data
+
     def jitted_step(self, with_grads: bool = False):
         data = self._ns(self.data_spec)
         out_metrics = {"loss": self._ns(P())}
