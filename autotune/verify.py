@@ -318,3 +318,37 @@ def verify_top(problem: Problem, top: list, k: int, *, gpu_key: str, steps: int 
             "note": ("re-ranked by measured step time (proxies: the full plan's prediction x measured/predicted "
                      "of the run)") if on_gpu else
                     "measured on CPU: step times are not comparable with the GPU preset, predicted order kept"}
+
+
+#: plan knobs a verification trial records (Plan.as_dict names)
+TRIAL_KNOBS = ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "mbs", "recompute", "recompute_modules", "sp", "zero")
+
+
+def record_trials(verification: dict, study=None):
+    """Each verified plan as a finished trial of an Optuna study (in memory unless `study` is given,
+    e.g. one on an RDB storage that other machines share), seeded with `study.enqueue_trial` so that
+    the trial's parameters are the plan's knobs. The value is the step time the re-ranking used (the
+    corrected full-plan time on GPUs, the run's own time elsewhere); a run that did not finish is a
+    FAIL trial with its status. Returns the study."""
+    import optuna
+    if study is None:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(direction="minimize", study_name="verify-top")
+    rows = [{k: ("+".join(v) if isinstance(v, (list, tuple)) else v) for k, v in e["plan"].items()
+             if k in TRIAL_KNOBS} for e in verification["plans"]]
+    # one categorical distribution per knob for the whole study (Optuna needs a fixed value space)
+    choices = {k: sorted({r[k] for r in rows}, key=str) for k in TRIAL_KNOBS if rows and k in rows[0]}
+    for e, knobs in zip(verification["plans"], rows):
+        study.enqueue_trial(knobs)
+        trial = study.ask()
+        for k in choices:
+            trial.suggest_categorical(k, choices[k])
+        trial.set_user_attr("status", e["status"])
+        trial.set_user_attr("predicted_step_time_s", e["predicted_step_time_s"])
+        trial.set_user_attr("proxy", bool(e.get("proxy")))
+        value = e.get("corrected_step_time_s") if verification["reranked"] else e.get("measured_run_step_time_s")
+        if e["status"] == "ok" and value:
+            study.tell(trial, value)
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    return study

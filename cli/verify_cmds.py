@@ -144,11 +144,15 @@ VerifyTopOpt = Annotated[Optional[int], typer.Option("--verify-top", min=1, help
 
 def search_verification(problem, report: dict, k: int, params, as_json: bool, out: str, no_save: bool) -> dict:
     """`search --verify-top K`: measure the report's top plans; their records saved in OUT/measurements."""
-    from autotune.verify import verify_top
+    from autotune.verify import record_trials, verify_top
     con = _console(as_json)
     show = lambda e: con.print(Text(f"  verified #{e['predicted_rank']}: {e['status']}"))   # noqa: E731
     ver = verify_top(problem, report["top"], k, gpu_key=problem.cluster.gpu.name, params=params,
                      on_result=None if as_json else show)
+    study = record_trials(ver)
+    done = [t for t in study.trials if t.value is not None]
+    ver["optuna"] = {"study": study.study_name, "n_trials": len(study.trials), "n_complete": len(done),
+                     "best_params": min(done, key=lambda t: t.value).params if done else None}
     records = [e["run"]["record"] for e in ver["plans"] if "run" in e]
     ver["saved"] = save_records(records, os.path.join(out, "measurements"), "verify_top") if records and not no_save else None
     return ver

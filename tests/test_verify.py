@@ -106,3 +106,19 @@ def test_calibration_reads_the_record(proxy_run, tmp_path):
                               "--holdout-frac", "0", "--rounds", "1", "--steps", "5", "--json"])
     assert res.exit_code == 0, res.stderr
     assert json.loads((tmp_path / "cal.json").read_text())["fit"]["n_train"] == 2
+
+
+def test_verified_plans_become_optuna_trials_seeded_by_enqueue():
+    from autotune.verify import record_trials
+    from costmodels.plan import Plan
+    ver = {"reranked": True, "plans": [
+        {"plan": Plan(tp=2, mbs=2).as_dict(), "status": "ok", "predicted_step_time_s": 1.0,
+         "corrected_step_time_s": 1.25, "proxy": True},
+        {"plan": Plan(pp=2).as_dict(), "status": "oom", "predicted_step_time_s": 0.9},
+        {"plan": Plan(dp=2).as_dict(), "status": "ok", "predicted_step_time_s": 1.1, "corrected_step_time_s": 1.1}]}
+    study = record_trials(ver)
+    states = [t.state.name for t in study.trials]
+    assert states == ["COMPLETE", "FAIL", "COMPLETE"]
+    assert study.trials[0].params["tp"] == 2 and study.trials[0].params["mbs"] == 2
+    assert study.trials[1].params["pp"] == 2 and study.trials[1].user_attrs["status"] == "oom"
+    assert study.best_trial.params["dp"] == 2 and study.best_value == 1.1
