@@ -130,6 +130,39 @@ def attention_core(q, k, v, implementation: str = "xla"):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
+def ring_attention_block(q, k, v, *, axis: str, axis_size: int):
+    """Causal ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; Megatron
+    CP without load balancing) inside shard_map: this rank holds sequence block r of q, k, v; K/V blocks
+    travel around the ring with ppermute while an online softmax (Milakov & Gimelshein 2018) folds in
+    one block per hop. The diagonal block comes first, so every query row has a finite running max
+    before fully masked blocks arrive."""
+    b, sq, a, d = q.shape
+    g = k.shape[2]
+    r = jax.lax.axis_index(axis)
+    qg = q.reshape(b, sq, g, a // g, d)
+    qpos = r * sq + jnp.arange(sq)
+    m = jnp.full((b, g, a // g, sq), -1e30, jnp.float32)
+    l = jnp.zeros((b, g, a // g, sq), jnp.float32)
+    o = jnp.zeros((b, sq, g, a // g, d), jnp.float32)
+    perm = [(j, (j + 1) % axis_size) for j in range(axis_size)]
+    for i in range(axis_size):
+        kpos = ((r - i) % axis_size) * sq + jnp.arange(sq)
+        s = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k).astype(jnp.float32) / math.sqrt(d)
+        s = jnp.where(qpos[:, None] >= kpos[None, :], s, -1e30)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        o = (o * jnp.moveaxis(alpha, -1, 1)[..., None]
+             + jnp.einsum("bgrqk,bkgd->bqgrd", p.astype(v.dtype), v).astype(jnp.float32))
+        m = m_new
+        if i + 1 < axis_size:
+            k = jax.lax.ppermute(k, axis, perm)
+            v = jax.lax.ppermute(v, axis, perm)
+    out = o / jnp.moveaxis(l, -1, 1)[..., None]
+    return out.reshape(b, sq, a, d).astype(q.dtype)
+
+
 def swiglu(x, w_gate, w_up, w_down, shard=no_shard):
     hid = shard(jax.nn.silu(x @ w_gate) * (x @ w_up), "ffn")
     return hid @ w_down
@@ -177,7 +210,7 @@ def moe_block(x, p, dm: Dims, moe_dispatch=None):
 
 
 def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none", moe_dispatch=None,
-          attention: str = "xla"):
+          attention: str = "xla", attention_fn=None):
     """One pre-norm block. recompute="selective" recomputes the attention core in backward (only its
     inputs q, k, v are saved: Korthikanti et al. 2022 sec. 4.2); "full" is applied by the caller."""
     b, s, _ = x.shape
@@ -186,8 +219,9 @@ def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none",
     k = shard((hn @ p["wk"]).reshape(b, s, dm.kv_heads, dm.head_dim), "heads")
     v = shard((hn @ p["wv"]).reshape(b, s, dm.kv_heads, dm.head_dim), "heads")
     q, k = rope(q, positions), rope(k, positions)
-    k, v = shard(k, "kv_full"), shard(v, "kv_full")          # context parallel: all-gather K/V
-    core = partial(attention_core, implementation=attention)
+    if attention_fn is None:
+        k, v = shard(k, "kv_full"), shard(v, "kv_full")      # context parallel without a ring: all-gather K/V
+    core = attention_fn or partial(attention_core, implementation=attention)
     if recompute == "selective":
         core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
     att = shard(core(q, k, v), "heads").reshape(b, s, dm.heads * dm.head_dim)
@@ -203,7 +237,7 @@ def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none",
 
 
 def layers_scan(x, layer_params, positions, dm: Dims, *, shard=no_shard, recompute="none",
-                moe_dispatch=None, cast=None, attention="xla"):
+                moe_dispatch=None, cast=None, attention="xla", attention_fn=None):
     """Run a stack of layers ([n, ...] leading axis) with lax.scan. `cast(p)` turns a layer's stored
     weights into compute weights (bf16 cast, and the ZeRO-3 all-gather) inside the scan, so gathered
     weights live one layer at a time."""
@@ -211,7 +245,8 @@ def layers_scan(x, layer_params, positions, dm: Dims, *, shard=no_shard, recompu
         if cast is not None:
             p = cast(p)
         fn = lambda h_, p_: layer(h_, p_, positions, dm, shard=shard,                # noqa: E731
-                                  recompute=recompute, moe_dispatch=moe_dispatch, attention=attention)
+                                  recompute=recompute, moe_dispatch=moe_dispatch, attention=attention,
+                                  attention_fn=attention_fn)
         if recompute == "full":
             fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
         return fn(h, p), None

@@ -11,8 +11,9 @@ token exchange, which is an explicit `shard_map` with two `all_to_all`s over "ep
 * DP: the batch over ("dp", "ep"); ZeRO-1 shards the fp32 master weights and Adam moments over it,
   ZeRO-2 also the accumulated gradients, ZeRO-3 keeps no full bf16 copy and gathers each layer's
   weights inside the layer scan (Rajbhandari et al. 2020).
-* CP: the sequence over "cp"; K and V are all-gathered over "cp" before attention (the simple form
-  of context parallelism; not ring attention, so K/V memory is not divided by cp).
+* CP: the sequence over "cp" in cp contiguous blocks; ring attention (shard_map, K/V blocks sent
+  around the ring with ppermute, online softmax). No load balancing: a rank still computes the
+  fully masked blocks (Megatron's 2*cp zig-zag split would skip them).
 * EP: expert weights over "ep"; tokens sent to their experts' ranks with all_to_all and back.
 * PP: layers over "pp" as [pp, L/pp] stacks, GPipe schedule (Huang et al. 2019): each tick every
   stage runs its layers on its buffer (vmap with spmd_axis_name="pp"), then the buffers shift one
@@ -221,6 +222,14 @@ class ShardedModel:
             return lambda p: {k: self.wsc(v.astype(cdt), specs[k]) for k, v in p.items()}
         return lambda p: {k: v.astype(cdt) for k, v in p.items()}
 
+    def _ring_attention(self):
+        """CP > 1: ring attention over "cp" (K/V blocks passed with ppermute), else None (plain attention)."""
+        if self.plan.cp == 1:
+            return None
+        spec = P(BATCH, "cp", "tp", None)
+        fn = partial(M.ring_attention_block, axis="cp", axis_size=self.plan.cp)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(spec, spec, spec), out_specs=spec)
+
     def _moe_dispatch(self):
         if not self.dm.is_moe:
             return None
@@ -246,7 +255,8 @@ class ShardedModel:
         positions = jnp.arange(self.shape.seq_len)
         return partial(M.layers_scan, positions=positions, dm=self.dm, shard=self.shard,
                        recompute=self.shape.recompute, moe_dispatch=self._moe_dispatch(),
-                       cast=self._layer_cast(), attention=self.shape.attention)
+                       cast=self._layer_cast(), attention=self.shape.attention,
+                       attention_fn=self._ring_attention())
 
     def _outer(self, weights):
         """Embedding, final norm and head weights in the compute dtype and their TP specs."""
