@@ -136,8 +136,11 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
     from .runner.model import Dims
     from .runner.sharded import RunShape, unsupported_reason
 
+    if runner == "megatron":
+        raise SpecError("runner", "verify runs the jax runner; for Megatron-LM use `autotune launch --megatron-path "
+                        "DIR --plan ...` (it runs the exported command and parses its log)")
     if runner not in RUNNERS:
-        raise SpecError("runner", f"unknown or unavailable runner {runner!r}; this build has: {', '.join(RUNNERS)}")
+        raise SpecError("runner", f"unknown runner {runner!r}; this build has: {', '.join(RUNNERS)}")
     if steps < 1:
         raise SpecError("steps", f"must be at least 1, got {steps}")
     prec = problem.job.precision
