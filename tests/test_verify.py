@@ -122,3 +122,37 @@ def test_verified_plans_become_optuna_trials_seeded_by_enqueue():
     assert study.trials[0].params["tp"] == 2 and study.trials[0].params["mbs"] == 2
     assert study.trials[1].params["pp"] == 2 and study.trials[1].user_attrs["status"] == "oom"
     assert study.best_trial.params["dp"] == 2 and study.best_value == 1.1
+
+
+def test_oom_is_recognised_from_xla_messages():
+    from autotune.runner.measure import is_oom
+    assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 81.23GiB."))
+    assert not is_oom(RuntimeError("INVALID_ARGUMENT: shapes do not match"))
+
+
+def _fake_top(n):
+    from costmodels.plan import Plan
+    return [{"plan": Plan(tp=1, mbs=i + 1).as_dict(), "step_time_s": 1.0 + i} for i in range(n)]
+
+
+def test_verify_top_goes_on_after_oom_and_keeps_finished_runs_on_ctrl_c(monkeypatch):
+    """An OOM is recorded and the next plan still runs; Ctrl-C stops and keeps what finished."""
+    import autotune.verify as V
+    from autotune import api
+    calls = []
+
+    def fake(problem, plan, **kw):
+        calls.append(plan.mbs)
+        if plan.mbs == 3:
+            raise KeyboardInterrupt
+        status = "oom" if plan.mbs == 1 else "ok"
+        st = {"measured": 0.5 if status == "ok" else None, "predicted": 0.25}
+        return {"status": status, "proxy": False, "comparison": {"step_time_s": st}, "record": {}}
+
+    monkeypatch.setattr(V, "verify_plan", fake)
+    problem = api.build_problem(model=TINY, gpu="h100", gpus=1, global_batch=16, seq_len=32)
+    ver = V.verify_top(problem, _fake_top(4), 4, gpu_key="h100")
+    assert calls == [1, 2, 3]                         # the 4th never started
+    assert ver["interrupted"] is True
+    assert [e["status"] for e in ver["plans"]] == ["oom", "ok"]
+    assert ver["plans"][1]["corrected_step_time_s"] == pytest.approx(2.0 * 0.5 / 0.25)
