@@ -160,7 +160,18 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
     predicted_run = predict(rp, choice.plan, params)
     predicted_run["memory_gb_dynamic"] = dynamic_memory_gb(predicted_run, params)
     predicted_full = predict(problem, plan, params)
-    meas = measure(shape, devices, steps=steps, warmup=warmup, on_step=on_step)
+    try:
+        meas = measure(shape, devices, steps=steps, warmup=warmup, on_step=on_step)
+    except Exception as exc:              # noqa: BLE001  (XLA's runtime errors; OOM is handled inside)
+        if attn_impl != "cudnn":
+            raise SpecError("runner", f"the run failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+        # cuDNN's fused attention refused these shapes: run XLA's attention and predict that instead
+        attn_impl, backend = "xla", AttentionBackend.UNFUSED
+        shape = dataclasses.replace(shape, attention=attn_impl)
+        rp = run_problem(problem, choice, backend)
+        predicted_run = predict(rp, choice.plan, params)
+        predicted_run["memory_gb_dynamic"] = dynamic_memory_gb(predicted_run, params)
+        meas = measure(shape, devices, steps=steps, warmup=warmup, on_step=on_step)
     flops = model_flops_per_step(dims, shape.seq_len, shape.global_batch)
     record = make_record(problem, rp, choice, shape, meas, flops, gpu_key=gpu_key, platform=platform,
                          machine=machine_info(devices), predicted_run=predicted_run)

@@ -103,6 +103,7 @@ def measure(shape: RunShape, devices, *, steps: int, warmup: int = 1, on_step=No
     times, losses, xla_mem, compile_s = [], [], None, 0.0
     sm = ShardedModel(shape, devices)
     used = list(sm.mesh.devices.flat)
+    before = device_peak_bytes(used)      # the counter is a high-water mark since the process started
     try:
         state = sm.init_state_random(0)
         tokens, targets = sm.split_batch(*synthetic_batch(shape))
@@ -131,5 +132,9 @@ def measure(shape: RunShape, devices, *, steps: int, warmup: int = 1, on_step=No
     source = "device memory_stats peak_bytes_in_use"
     if peak is None:
         peak, source = (xla_mem or {}).get("peak", 0.0), "XLA compiled memory analysis"
+    elif before is not None and before > 0 and peak <= before:
+        # an earlier run in this process set the high-water mark, so this run's own peak is unknown
+        peak, source = (xla_mem or {}).get("peak", 0.0), ("XLA compiled memory analysis (the device's peak counter "
+                                                          "still holds an earlier run's higher peak)")
     return Measured(status=status, step_times_s=tuple(times), compile_s=compile_s, peak_bytes_per_device=peak,
                     memory_source=source, xla_memory=xla_mem, losses=tuple(losses), error=err)
