@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autotune import __version__
-from cli import export_cmds, optuna_cmds
+from cli import export_cmds, optuna_cmds, verify_cmds
 from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineErrors, check_problem_options,
                         configure_compile_cache, error_line, print_json, print_plans, print_table, spinner,
                         stdout_console, thousands)
@@ -169,6 +169,7 @@ def search(
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
     export_to: export_cmds.ExportOpt = None,
+    verify_top: verify_cmds.VerifyTopOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     from autotune import api
@@ -193,6 +194,7 @@ def search(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
                                     intra_node_bw, inter_node_bw, cluster, fw)))
     if choice.strategy == "optuna":
+        verify_cmds.refuse_with_optuna(verify_top)
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
             gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, cluster=cluster,
@@ -217,6 +219,8 @@ def search(
         with spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
     export_cmds.finish_report(report, problem, export_to)
+    if verify_top:
+        report["verification"] = verify_cmds.search_verification(problem, report, verify_top, params, as_json, out, no_save)
     saved, save_error = None, None
     if not no_save:
         try:
@@ -245,6 +249,8 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
             con.print(Text(f"  - {sentence}"))
         con.print()
     con.print(Text(_space_line(report["space"], report["elapsed_s"])))
+    if report.get("verification"):
+        verify_cmds.print_verification(con, report["verification"])
     if strategy != "exhaustive":
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved."))
@@ -364,6 +370,7 @@ _register_analysis(app)
 optuna_cmds.register(app)
 # issue 13/14: export / check / launch (search --export goes through export_cmds.finish_report)
 export_cmds.register(app)
+verify_cmds.register(app)   # issue 14: verify (search --verify-top: cli/verify_cmds.py)
 from cli import list_cmds  # noqa: E402  (issue 13: models / gpus / clusters)
 
 list_cmds.register(app)

@@ -65,7 +65,7 @@ SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
                                  "--seed", "--objective", "--storage", "--study", "--batch-size",
-                                 "--sensitivity", "--no-sensitivity", "--export"},
+                                 "--sensitivity", "--no-sensitivity", "--export", "--verify-top"},
     "predict": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
     "validate": {"file", "--dataset", "--json", "--all", "--calibration"},
     "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
@@ -89,6 +89,8 @@ SURFACE = {
     "models": {"--json"},
     "gpus": {"--json"},
     "clusters": {"--json"},
+    "verify": {"--model", "--plan", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--steps",
+               "--warmup", "--runner", "--proxy", "--layers", "--out", "--no-save", "--json", "--calibration"},
 }
 
 
