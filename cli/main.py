@@ -27,10 +27,11 @@ from typer.core import TyperGroup
 from typer.exceptions import Abort
 
 from autotune import __version__, api
-from autotune.report import (TIME_LABELS, add_sensitivity, extras_text, plan_text, problem_dict, save_report,
+from autotune.report import (TIME_LABELS, extras_text, plan_text, problem_dict, save_report,
                              search_report, uses_extras)
 from autotune.scoring import enable_compile_cache
 from autotune.search import NothingFits
+from autotune.sensitivity import add_sensitivity
 from cli import optuna_cmds
 from costmodels.specs import SpecError
 
@@ -277,13 +278,13 @@ def search(
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     _check_memory_limit(memory_limit_gb)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
-    given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed, objective,
+    given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed,
                                                                       storage, study, batch_size)) if value is not None]
     choice = optuna_cmds.choose(strategy, gpus=gpu_count, objectives=objective, optuna_options=given,
                                 count_legal=lambda: optuna_cmds.legal_count(_problem(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
                                     intra_node_bw, inter_node_bw, cluster)))
-    if choice.strategy == "optuna":
+    if choice.strategy == "optuna" or isinstance(gpu_count, optuna_cmds.GpuRange):
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
             gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, cluster=cluster,

@@ -21,20 +21,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from autotune import optuna_search as osr
 from autotune import api
-from cli.options import JsonOpt
-from autotune.report import add_sensitivity, extras_text, report_basename, save_report, search_report, uses_extras
+from autotune import optuna_search as osr
+from autotune.plots import save_pareto_html
+from autotune.report import extras_text, report_basename, save_report, search_report, uses_extras
 from autotune.search import NothingFits
-from autotune.studies import export_study, list_studies, redact_url, show_study
+from autotune.sensitivity import add_sensitivity
+from autotune.storage import redact_url
+from autotune.studies import export_study, list_studies, show_study
+from cli.options import JsonOpt
 from costmodels.specs import SpecError
 from search_spaces.optuna_space import GpuRange, parse_gpus
 
 EXIT_OK, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 3, 130
 
 #: search options that only Optuna uses; giving one makes `--strategy auto` pick Optuna
-OPTUNA_OPTIONS = ("--trials", "--timeout", "--sampler", "--seed", "--objective", "--storage", "--study",
-                  "--batch-size")
+#: (--objective is not one: an exhaustive range search takes one or two objectives)
+OPTUNA_OPTIONS = ("--trials", "--timeout", "--sampler", "--seed", "--storage", "--study", "--batch-size")
 
 StorageOpt = Annotated[Optional[str], typer.Option(
     "--storage", help="Optuna storage: sqlite:///FILE, journal:FILE, postgresql://USER:PASSWORD@HOST/DB "
@@ -86,15 +89,22 @@ def legal_count(problem) -> int:
     return count_legal(problem).legal
 
 
+#: the choice for a GPU range under `auto`, made final by `run_optuna_search` once the range is counted
+RANGE_PENDING = "the GPU count is a range"
+
+
 def choose(strategy: str, *, gpus, objectives, optuna_options: list[str],
            count_legal: Callable[[], int]) -> osr.StrategyChoice:
     """Which strategy `search` runs, and why (`--strategy auto` is the default)."""
     req = str(strategy).strip().lower()
     if req == "exhaustive" and optuna_options:
         raise SpecError(optuna_options[0], "applies to --strategy optuna or auto, not exhaustive")
-    if req == "auto" and optuna_options and not isinstance(gpus, GpuRange):
+    if req == "auto" and optuna_options:
         osr.choose_strategy("optuna", gpus=gpus, objectives=objectives)      # checks the arguments
         return osr.StrategyChoice("optuna", f"Optuna options given ({', '.join(optuna_options)})")
+    if isinstance(gpus, GpuRange):
+        chosen = osr.choose_strategy(req, gpus=gpus, objectives=objectives, count_legal=lambda: 0)
+        return chosen if req != "auto" or chosen.strategy == "optuna" else osr.StrategyChoice("auto", RANGE_PENDING)
     return osr.choose_strategy(req, gpus=gpus, objectives=objectives, count_legal=count_legal)
 
 
@@ -155,7 +165,7 @@ def _pareto_table(front: list, objectives: list) -> Table:
     for i, f in enumerate(front, 1):
         p = f["plan"]
         vals = [_fmt(f["values"][o["name"]]) for o in objectives]
-        table.add_row(str(i), str(f["trial"]), *vals,
+        table.add_row(str(i), str(f.get("trial", "")), *vals,
                       f"tp{p['tp']} pp{p['pp']} dp{p['dp']} cp{p['cp']} ep{p['ep']} vpp{p['vpp']} mbs{p['mbs']} "
                       f"{p['recompute']} sp={'on' if p['sp'] else 'off'} zero{p['zero']}"
                       + (f" ({extras_text(p)})" if extras_text(p) else ""))
@@ -167,40 +177,35 @@ def _fmt(v: float) -> str:
 
 
 def _markdown_section(report: dict) -> str:
-    o = report["optuna"]
-    lines = [f"Sampler {o['sampler']} (seed {o['seed']}), {o['n_trials']} trials ({o['n_feasible']} feasible) "
-             f"in study `{o['study']}` of storage `{o['storage']}`; objectives "
-             + ", ".join(f"{x['name']} ({x['direction']})" for x in o["objectives"]) + "."]
+    o = report.get("optuna") or report["range"]
+    objectives = ", ".join(f"{x['name']} ({x['direction']})" for x in o["objectives"])
+    if "optuna" in report:
+        lines = [f"Sampler {o['sampler']} (seed {o['seed']}), {o['n_trials']} trials ({o['n_feasible']} feasible) "
+                 f"in study `{o['study']}` of storage `{o['storage']}`; objectives {objectives}."]
+    else:
+        lines = [f"Every legal plan of every GPU count of {o['gpus']} scored; objectives {objectives}."]
     front = o.get("pareto_front")
     if front:
         names = [x["name"] for x in o["objectives"]]
         lines += ["", "| # | trial | " + " | ".join(names) + " | plan |",
                   "|---|---|" + "---|" * len(names) + "---|"]
         for i, f in enumerate(front, 1):
-            lines.append(f"| {i} | {f['trial']} | " + " | ".join(_fmt(f["values"][n]) for n in names)
+            lines.append(f"| {i} | {f.get('trial', '')} | " + " | ".join(_fmt(f["values"][n]) for n in names)
                          + f" | {','.join(f'{k}={v}' for k, v in f['plan'].items())} |")
         if o.get("pareto_plot"):
-            lines += ["", f"![Pareto front]({o['pareto_plot']})"]
+            lines += ["", f"[Pareto front (interactive plot)]({o['pareto_plot']})"]
     return "\n".join(lines)
 
 
-def _write_plot(report: dict, points: list, out: str) -> None:
-    o = report["optuna"]
-    objs = o["objectives"]
-    if len(objs) < 2 or not o.get("pareto_front"):
+def _write_plot(report: dict, result, out: str) -> None:
+    """The Pareto front of a multi-objective study as Optuna's plotly figure (HTML) next to the report."""
+    o = report.get("optuna") or {}
+    objs = [x["name"] for x in o.get("objectives", [])]
+    if len(objs) < 2 or not o.get("pareto_front") or result.study is None:
         return
-    lab = {x["name"]: osr.OBJECTIVES[x["name"]].label for x in objs}
-    y_name, x_name = objs[0]["name"], objs[1]["name"]
-    front = [(f["values"][x_name], f["values"][y_name]) for f in o["pareto_front"]]
-    pts = [(p[1], p[0]) for p in points]
-    title = f"{report['problem']['model']['name']}: {lab[y_name]} vs {lab[x_name]}"
-    if len(objs) > 2:
-        title += f" (front of {len(objs)} objectives)"
-    svg = osr.pareto_svg(pts, front, lab[x_name], lab[y_name], title)
-    name = report_basename(report) + "_pareto.svg"
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name), "w") as fh:
-        fh.write(svg)
+    title = f"{report['problem']['model']['name']}: Pareto front of " + ", ".join(objs)
+    name = report_basename(report) + "_pareto.html"
+    save_pareto_html(result.study, objs, title, os.path.join(out, name))
     o["pareto_plot"] = name
 
 
@@ -226,60 +231,81 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         batch_size=osr.DEFAULT_BATCH if batch_size is None else batch_size)
     if trials is None and timeout is None:
         trials = osr.DEFAULT_TRIALS
+    choice = choice or osr.StrategyChoice("optuna", "requested")
+    space = None
+    if choice.reason == RANGE_PENDING:      # auto on a range: exhaustive when all its counts are small
+        resolved = spec.resolved()
+        space = resolved.build_space()
+        choice = osr.choose_strategy("auto", gpus=gpus, objectives=spec.objectives,
+                                     count_legal=lambda: osr.range_legal_count(resolved, space))
     label = f"optuna {spec.sampler}: scoring trials"
     try:
-        with _ProgressBar(trials, label, enabled=not as_json) as bar:
-            result = osr.optuna_search(spec, n_trials=trials, timeout_s=timeout, storage_url=storage,
-                                       study_name=study, top_k=top, progress=bar)
+        with _ProgressBar(trials if choice.strategy == "optuna" else None, label,
+                          enabled=not as_json and choice.strategy == "optuna") as bar:
+            result = api.search(spec, strategy=choice.strategy, top_k=top, progress=bar, space=space,
+                                run=api.OptunaRun(n_trials=trials, timeout_s=timeout, storage_url=storage,
+                                                  study_name=study))
     except NothingFits as exc:
         if as_json:
             _print_json({"error": str(exc), "closest": exc.closest, "space": exc.space})
         _error_line(str(exc))
         return EXIT_NOTHING_FITS
-    params_source = calibration or "defaults"
-    info = result.extra["optuna"]
-    points = info.pop("pareto_points", [])
-    report = search_report(result, params_source)
-    report["strategy_choice"] = {"requested": requested, **(choice or osr.StrategyChoice("optuna", "requested")).as_dict()}
+    report = search_report(result, calibration or "defaults")
+    report["strategy_choice"] = {"requested": requested, **choice.as_dict()}
     if with_sensitivity and getattr(result, "problem", None) is not None:
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
     saved = None
     if not no_save:
         try:
-            _write_plot(report, points, out)
-            report.setdefault("sections", []).insert(0, {"title": "Optuna", "markdown": _markdown_section(report)})
+            _write_plot(report, result, out)
+            report.setdefault("sections", []).insert(0, {"title": "Optuna" if "optuna" in report else "GPU range",
+                                                         "markdown": _markdown_section(report)})
             saved = save_report(report, out)
         except OSError as exc:
             raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
+    info = report.get("optuna") or {}
     code = EXIT_INTERRUPTED if info.get("interrupted") else EXIT_OK
     if as_json:
         _print_json(report)
         if code == EXIT_INTERRUPTED:
             _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
         return code
+    _print_human(report, choice, saved, out)
+    if code == EXIT_INTERRUPTED:
+        _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
+    return code
+
+
+def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str) -> None:
     con = _console()
-    con.print(Text(f"Strategy: optuna ({report['strategy_choice']['reason']}); sampler {info['sampler']}, "
-                   f"seed {info['seed']}, batch {info['batch_size']}."))
+    info = report.get("optuna") or report.get("range") or {}
+    if "optuna" in report:
+        con.print(Text(f"Strategy: optuna ({choice.reason}); sampler {info['sampler']}, seed {info['seed']}, "
+                       f"batch {info['batch_size']}."))
+    else:
+        con.print(Text(f"Strategy: exhaustive over the GPU range ({choice.reason})."))
     con.print(_plans_table(report["top"]))
     if info.get("pareto_front"):
         con.print(_pareto_table(info["pareto_front"], info["objectives"]))
     con.print()
     con.print(Text(report["explanation"]))
     con.print()
-    run = info.get("run", {})
-    con.print(Text(f"Study {info['study']} in {info['storage']}: {info['n_trials']} trials, {info['n_feasible']} "
-                   f"feasible; this run {run.get('trials', 0)} trials in {run.get('elapsed_s', 0):.2f} s "
-                   f"({run.get('wall_per_trial_ms', 0):.1f} ms per trial, {run.get('model_share', 0):.0%} in "
-                   f"the cost model){'; resumed' if info.get('resumed') else ''}."))
+    if "optuna" in report:
+        run = info.get("run", {})
+        con.print(Text(f"Study {info['study']} in {info['storage']}: {info['n_trials']} trials, {info['n_feasible']} "
+                       f"feasible; this run {run.get('trials', 0)} trials in {run.get('elapsed_s', 0):.2f} s "
+                       f"({run.get('wall_per_trial_ms', 0):.1f} ms per trial, {run.get('model_share', 0):.0%} in "
+                       f"the cost model){'; resumed' if info.get('resumed') else ''}."))
+    else:
+        sp = report["space"]
+        con.print(Text(f"{sp['legal']:,} legal plans over {sp['gpu_counts']} GPU counts, {sp['fitting']:,} fit; "
+                       f"scored in {report['elapsed_s']:.2f} s."))
     if saved:
         plot = f" and {os.path.join(out, info['pareto_plot'])}" if info.get("pareto_plot") else ""
         con.print(Text(f"Report saved to {saved[0]}, {saved[1]}{plot}"))
     else:
         con.print(Text("Report not saved (--no-save)."))
-    if code == EXIT_INTERRUPTED:
-        _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
-    return code
 
 
 # ------------------------------------------------------------------------------------------------
