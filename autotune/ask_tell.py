@@ -74,6 +74,14 @@ class BatchScorer:
     def limit_bytes(self, n: int) -> float:
         return self.inputs(n).memory_limit_bytes
 
+    def warm_up(self) -> None:
+        """Compile the scorer before any trial is asked, so a trial's RUNNING time is milliseconds
+        (a worker sharing the study never takes it for a dead one's while XLA compiles)."""
+        n = next((c for c in self.space.counts if self.space.has_legal(c)), None)
+        if n is not None:
+            batch = self.space.legal_plans(n).select(np.zeros(1, dtype=np.int64))
+            self.score(np.array([n]), batch)
+
     def score(self, counts: np.ndarray, batch: PlanBatch) -> tuple[np.ndarray, np.ndarray]:
         """(step time s, peak memory bytes) per plan; `counts[i]` is plan i's GPU count."""
         t0 = time.perf_counter()
@@ -196,13 +204,14 @@ def run_batches(study: optuna.Study, space: PlanSpace, scorer: BatchScorer, obje
     heart = Heartbeat.of(storage, study) if storage is not None else None
     me = worker_id()
     t0 = time.perf_counter()
-    model0 = scorer.model_s
     best: dict | None = None
     pending: list = []
     limit = n_trials
     if isinstance(study.sampler, LegalGridSampler):
         left = max(study.sampler.size - len(study.get_trials(deepcopy=False)), 0)
         limit = left if limit is None else min(limit, left)
+    scorer.warm_up()
+    model0 = scorer.model_s
     try:
         with _Interrupt() as intr, warnings.catch_warnings():
             warnings.simplefilter("ignore")     # "heartbeat is supposed to be used with optimize"

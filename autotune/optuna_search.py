@@ -233,7 +233,7 @@ def run_worker(storage_url: str, study_name: str, *, n_trials: int | None, timeo
     _check_run(n_trials, timeout_s, batch_size)
     t0 = time.perf_counter()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = open_storage(storage_url, must_exist=True)
+    storage = open_storage(storage_url, must_exist=True, grace_s=stale_after_s if stale_after_s < STALE_AFTER_S else None)
     try:
         spec = StudySpec.from_attrs(load_study(storage, study_name, storage_url).user_attrs.get(STUDY_ATTR))
         space = spec.build_space()

@@ -16,6 +16,8 @@ A URL's password is never printed: every message and report shows `redact_url(ur
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 import time
@@ -34,6 +36,8 @@ CONNECT_TIMEOUT_S = 5
 #: a running trial's heartbeat period and how long a silent one lives (Optuna's RDB heartbeat)
 HEARTBEAT_INTERVAL_S = 10
 HEARTBEAT_GRACE_S = 60
+#: a journal lock left by a killed writer is broken after this long (a live append holds it for ms)
+JOURNAL_LOCK_GRACE_S = 10
 #: a stale trial's plan is queued again once
 MAX_RETRY = 1
 #: SQLAlchemy dialects Optuna's RDBStorage works with
@@ -57,11 +61,11 @@ def redact_url(url: str | None) -> str:
     text = str(url)
     if "://" not in text:
         return text
+    if text.split("://", 1)[1].count("@") > 1:
+        return _mask_to_last_at(text)           # a raw '@' in the password: mask all of the userinfo
     try:
         from sqlalchemy.engine import make_url
         parsed = make_url(text)
-        if "@" in (parsed.host or "") or "@" in (parsed.database or ""):
-            return _mask_to_last_at(text)       # a raw '@' in the password: mask all of it
         shown = parsed.render_as_string(hide_password=True)
         query = {k: ("***" if k.lower() in _SECRET_KEYS else v) for k, v in parsed.query.items()}
         if query != dict(parsed.query):
@@ -79,27 +83,31 @@ def _mask_to_last_at(text: str) -> str:
     return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
 
 
-def _password(url: str) -> str | None:
-    try:
+def _passwords(url: str) -> set:
+    """The password as SQLAlchemy reads it and as everything between the user and the last '@'
+    (they differ when a raw password holds '@'), raw and URL-quoted/unquoted."""
+    found = set()
+    with contextlib.suppress(Exception):
         from sqlalchemy.engine import make_url
-        return make_url(url).password
-    except Exception:  # noqa: BLE001
-        rest = url.split("://", 1)[-1]
-        return rest.rsplit("@", 1)[0].split(":", 1)[1] if "@" in rest and ":" in rest.rsplit("@", 1)[0] else None
+        found.add(make_url(url).password or "")
+    userinfo = url.split("://", 1)[-1].rsplit("@", 1)[0] if "@" in url else ""
+    if ":" in userinfo:
+        found.add(userinfo.split(":", 1)[1])
+    forms = set()
+    for pw in found - {""}:
+        forms |= {pw, urllib.parse.unquote(pw), urllib.parse.quote(pw, safe="")}
+    return forms - {""}
 
 
 def scrub(message, url: str | None) -> str:
     """A one-line message with the URL's password (raw or URL-quoted) removed."""
-    text = " ".join(str(message).split())
+    text = str(message)
     if url:
         text = text.replace(str(url), redact_url(url))
-        pw = _password(str(url))
-        if pw:
-            for form in sorted({pw, urllib.parse.unquote(pw), urllib.parse.quote(pw, safe="")}, key=len,
-                               reverse=True):
-                if form:
-                    text = text.replace(form, "***")
-    return text
+        forms = _passwords(str(url))
+        for form in sorted(forms | {" ".join(f.split()) for f in forms} - {""}, key=len, reverse=True):
+            text = text.replace(form, "***")
+    return " ".join(text.split())
 
 
 def storage_error(exc: BaseException, url: str | None) -> SpecError:
@@ -156,11 +164,12 @@ def storage_path(url: str | None) -> str | None:
     return None
 
 
-def open_storage(url: str | None, *, must_exist: bool = False) -> BaseStorage:
+def open_storage(url: str | None, *, must_exist: bool = False, grace_s: float | None = None) -> BaseStorage:
     """An Optuna storage for the URL; one that cannot be reached is a SpecError (one line).
 
     `must_exist` (read-only commands): a sqlite or journal file that does not exist is refused
-    instead of created."""
+    instead of created. `grace_s`: an RDB trial whose heartbeat is older is stale (default
+    HEARTBEAT_GRACE_S)."""
     kind = storage_kind(url)
     if kind == "memory":
         return InMemoryStorage()
@@ -181,13 +190,13 @@ def open_storage(url: str | None, *, must_exist: bool = False) -> BaseStorage:
             raise SpecError("storage", f"cannot create the folder of {path}: {exc.strerror or exc}") from None
     if kind == "journal":
         return _open_journal(path)
-    return _open_rdb(u, kind, path)
+    return _open_rdb(u, kind, grace_s)
 
 
 def _open_journal(path: str) -> JournalStorage:
     try:
         repair_journal(path)
-        return JournalStorage(JournalFileBackend(path, lock_obj=JournalFileSymlinkLock(path)))
+        return JournalStorage(JournalFileBackend(path, lock_obj=JournalFileSymlinkLock(path, JOURNAL_LOCK_GRACE_S)))
     except OSError as exc:
         raise SpecError("storage", f"cannot open the journal file {path}: {exc.strerror or exc}") from None
     except (ValueError, UnicodeDecodeError) as exc:
@@ -204,7 +213,7 @@ def repair_journal(path: str) -> int:
         fh.seek(-1, os.SEEK_END)
         if fh.read(1) == b"\n":
             return 0
-    lock = JournalFileSymlinkLock(path)
+    lock = JournalFileSymlinkLock(path, JOURNAL_LOCK_GRACE_S)
     lock.acquire()
     try:
         with open(path, "rb+") as fh:
@@ -220,7 +229,9 @@ def repair_journal(path: str) -> int:
         lock.release()
 
 
-def _open_rdb(u: str, kind: str, path: str | None) -> RDBStorage:
+def _open_rdb(u: str, kind: str, grace_s: float | None) -> RDBStorage:
+    grace = max(1, math.ceil(grace_s)) if grace_s is not None else HEARTBEAT_GRACE_S
+    interval = max(1, min(HEARTBEAT_INTERVAL_S, grace // 2))
     engine_kwargs: dict = {}
     if kind == "sqlite":
         engine_kwargs = {"connect_args": {"timeout": 60}}
@@ -231,8 +242,8 @@ def _open_rdb(u: str, kind: str, path: str | None) -> RDBStorage:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return RDBStorage(u, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_INTERVAL_S,
-                                  grace_period=HEARTBEAT_GRACE_S,
+                return RDBStorage(u, engine_kwargs=engine_kwargs, heartbeat_interval=interval,
+                                  grace_period=grace,
                                   heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY))
         except ImportError as exc:
             raise SpecError("storage", f"{redact_url(u)} needs a database driver that is not installed "
