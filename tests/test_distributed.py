@@ -179,3 +179,78 @@ def test_search_command_creates_a_study_workers_can_join(pg, study_name, tmp_pat
     assert "autotune:autotune@" not in res.stdout + res.stderr + saved
     out = _finish(_worker(pg, name, 8))
     assert out["study_trials"]["complete"] == 16
+
+
+class _Proxy:
+    """A TCP proxy on a free port of 127.0.0.1 to the PostgreSQL server; `stop()` closes it and every
+    connection through it: the database stops for the clients that use the proxy, and for no one else."""
+
+    def __init__(self, host: str, port: int):
+        import threading
+        self.upstream = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.socks: list = []
+        self.stopped = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import threading
+        while not self.stopped:
+            try:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                return
+            self.socks += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def stop(self):
+        self.stopped = True
+        self.listener.close()
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+
+def test_database_stopped_under_a_running_worker(pg, study_name):
+    """The database goes away under a running worker: it exits 2 with one line naming the storage
+    (no traceback, no password), and the trials it left RUNNING are failed and re-queued by the
+    next worker, so none stays RUNNING forever."""
+    from sqlalchemy.engine import make_url
+    url = make_url(PG_URL)
+    name = study_name("stopped")
+    _create(pg, name)
+    proxy = _Proxy(url.host, url.port or 5432)
+    via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    victim = _worker(via_proxy, name, 100_000, "--batch-size", "4")
+    deadline = time.time() + 120
+    while sum(t.state == TrialState.COMPLETE for t in _states(pg, name)) < 12 and time.time() < deadline:
+        time.sleep(0.2)
+    proxy.stop()
+    out, err = victim.communicate(timeout=120)
+    assert victim.returncode == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: storage: ") and "Traceback" not in err, err
+    assert redact_url(via_proxy) in lines[0] and "autotune:autotune@" not in out + err
+    time.sleep(1.5)
+    done = _finish(_worker(pg, name, 8, "--stale-after", "1"))
+    assert done["run"]["trials"] == 8
+    assert not [t for t in _states(pg, name) if t.state in (TrialState.RUNNING, TrialState.WAITING)]
