@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 from autotune import optuna_search as osr
 from autotune.api import build_problem
 from autotune.search import exhaustive
-from autotune.studies import redact_url
+from autotune.storage import redact_url
 
 REPO = Path(__file__).resolve().parents[1]
 PG_URL = os.environ.get("AUTOTUNE_TEST_PG_URL", "postgresql://autotune:autotune@127.0.0.1:5432/autotune_test")
