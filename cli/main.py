@@ -32,7 +32,7 @@ from autotune.report import (TIME_LABELS, extras_text, plan_text, problem_dict, 
 from autotune.scoring import enable_compile_cache
 from autotune.search import NothingFits
 from autotune.sensitivity import add_sensitivity
-from cli import optuna_cmds
+from cli import export_cmds, optuna_cmds
 from costmodels.specs import SpecError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 2, 3
@@ -274,16 +274,26 @@ def search(
     with_sensitivity: Annotated[bool, typer.Option(
         "--sensitivity/--no-sensitivity",
         help="Add the best plan's elasticities (jax.jacfwd) to the report (first run in a fresh cache: ~8 s).")] = True,
+    framework: FrameworkOpt = None,
+    attention_backend: AttentionBackendOpt = None,
+    tp_comm_overlap: TpCommOverlapOpt = None,
+    grad_reduce_in_bf16: GradReduceBf16Opt = None,
+    fp8_param_gather: Fp8ParamGatherOpt = None,
+    moe_token_dispatcher_type: DispatcherOpt = None,
+    export_to: export_cmds.ExportOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
+    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
+                           moe_token_dispatcher_type)
     _check_memory_limit(memory_limit_gb)
+    export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
     given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed,
                                                                       storage, study, batch_size)) if value is not None]
     choice = optuna_cmds.choose(strategy, gpus=gpu_count, objectives=objective, optuna_options=given,
                                 count_legal=lambda: optuna_cmds.legal_count(_problem(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
-                                    intra_node_bw, inter_node_bw, cluster)))
+                                    intra_node_bw, inter_node_bw, cluster, fw)))
     if choice.strategy == "optuna" or isinstance(gpu_count, optuna_cmds.GpuRange):
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
@@ -291,9 +301,9 @@ def search(
             top=top, memory_limit_gb=memory_limit_gb, out=out, no_save=no_save, as_json=as_json,
             calibration=calibration, trials=trials, timeout=timeout, sampler=sampler, seed=seed,
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
-            requested=strategy, with_sensitivity=with_sensitivity)
+            requested=strategy, with_sensitivity=with_sensitivity, framework=fw, export_to=export_to)
     problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
-                       inter_node_bw, cluster)
+                       inter_node_bw, cluster, fw)
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
         with _spinner("Scoring every legal plan...", enabled=not as_json):
@@ -309,6 +319,7 @@ def search(
     if with_sensitivity:
         with _spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
+    export_cmds.finish_report(report, problem, export_to)
     saved = None
     if not no_save:
         try:
@@ -317,7 +328,7 @@ def search(
             raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
     if as_json:
         _print_json(report)
-        return EXIT_OK
+        return export_cmds.export_exit(report)
     con = _stdout_console()
     _print_wide_table(con, _plans_table(report["top"]))
     con.print()
@@ -332,7 +343,8 @@ def search(
     if strategy != "exhaustive":
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved (--no-save)."))
-    return EXIT_OK
+    export_cmds.print_plan_lines(con, report)
+    return export_cmds.export_exit(report)
 
 
 @app.command()
@@ -369,13 +381,13 @@ def predict(
     rep = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)
     code = EXIT_OK if rep["fits"] else EXIT_NOTHING_FITS
     if as_json:
-        _print_json({**rep, "problem": problem_dict(problem), "calibration": params_source})
+        _print_json({**rep, "problem": problem_dict(problem), "calibration": params_source,
+                     "problem_text": export_cmds.problem_text(problem), "plan_text": plan_text(rep["plan"])})
     else:
         mem = rep["memory_gb"]
         con = _stdout_console()
-        con.print(Text(f"{problem.model.name} on {problem.cluster.num_gpus} x {problem.cluster.gpu.name}, "
-                       f"global batch {problem.job.global_batch} x {problem.job.seq_len} tokens, "
-                       f"{problem.job.precision.value}"))
+        con.print(Text(f"Problem: {export_cmds.problem_text(problem)}."))
+        con.print(Text(f"Plan: --plan \"{plan_text(rep['plan'])}\""))
         con.print(Text(f"Plan {plan_text(rep['plan'])}: {rep['step_time_s']:.3f} s per step, "
                        f"{rep['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
                        f"{rep['model_tflops_per_gpu']:.0f} model TFLOP/s per GPU, MFU {rep['mfu']:.1%}, "
@@ -437,6 +449,8 @@ from cli.analysis_cmds import register as _register_analysis  # noqa: E402
 _register_analysis(app)
 # issue 4: worker / studies (search --strategy optuna|auto goes through optuna_cmds.run_optuna_search)
 optuna_cmds.register(app)
+# issue 13/14: export / check / launch (search --export goes through export_cmds.finish_report)
+export_cmds.register(app)
 
 
 if __name__ == "__main__":

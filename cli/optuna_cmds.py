@@ -29,6 +29,7 @@ from autotune.search import NothingFits
 from autotune.sensitivity import add_sensitivity
 from autotune.storage import redact_url
 from autotune.studies import export_study, list_studies, show_study
+from cli.export_cmds import export_exit, finish_report, print_plan_lines
 from cli.options import JsonOpt
 from costmodels.specs import SpecError
 from search_spaces.optuna_space import GpuRange, parse_gpus
@@ -217,7 +218,8 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       sampler: Optional[str], seed: Optional[int], objectives: Optional[list],
                       storage: Optional[str], study: Optional[str], batch_size: Optional[int],
                       choice: osr.StrategyChoice | None = None, requested: str = "optuna",
-                      with_sensitivity: bool = True) -> int:
+                      with_sensitivity: bool = True, framework: Optional[dict] = None,
+                      export_to: str | None = None) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
     if isinstance(gpus, GpuRange) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
@@ -227,6 +229,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         model=model, gpu=gpu, gpus=gpus_text, global_batch=global_batch, seq_len=seq_len, precision=precision,
         gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw,
         cluster_file=cluster, memory_limit_gb=memory_limit_gb, calibration=calibration,
+        framework={k: v for k, v in (framework or {}).items() if v is not None},
         objectives=osr.parse_objectives(objectives or ()), sampler=sampler or osr.DEFAULT_SAMPLER, seed=seed,
         batch_size=osr.DEFAULT_BATCH if batch_size is None else batch_size)
     if trials is None and timeout is None:
@@ -255,6 +258,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     if with_sensitivity and getattr(result, "problem", None) is not None:
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
+    finish_report(report, result.problem, export_to)
     saved = None
     if not no_save:
         try:
@@ -270,11 +274,11 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         _print_json(report)
         if code == EXIT_INTERRUPTED:
             _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
-        return code
+        return code or export_exit(report)
     _print_human(report, choice, saved, out)
     if code == EXIT_INTERRUPTED:
         _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
-    return code
+    return code or export_exit(report)
 
 
 def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str) -> None:
@@ -306,6 +310,7 @@ def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str) -> N
         con.print(Text(f"Report saved to {saved[0]}, {saved[1]}{plot}"))
     else:
         con.print(Text("Report not saved (--no-save)."))
+    print_plan_lines(con, report)
 
 
 # ------------------------------------------------------------------------------------------------

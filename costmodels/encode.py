@@ -39,13 +39,16 @@ def encode_model(m: ModelSpec) -> dict:
     n_moe = m.num_moe_layers
     shared_ffn = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or m.moe_ffn_hidden_size)
     vals = dict(
-        layers=m.num_layers, moe_layers=n_moe, hidden=h, heads=a, kv_heads=kv_heads,
+        layers=m.num_layers, moe_layers=n_moe,
+        # leading dense layers that sit together on the first stage (DeepSeek's first_k_dense_replace)
+        dense_first=m.first_k_dense_layers if m.is_moe and m.moe_layer_freq == 1 else 0, hidden=h, heads=a, kv_heads=kv_heads,
         qk_head_dim=attn_q_heads_dim, v_head_dim=attn_v_dim,
         ffn=m.ffn_hidden_size, vocab=m.vocab_size, gated=float(m.gated_mlp),
         tied=float(m.tied_embeddings),
         q_down_n=q_down_n, q_up_n=q_up_n, q_up_k=q_up_k, kv_down_n=kv_down_n, kv_up_n=kv_up_n,
         kv_up_k=kv_up_k, attn_out_k=a * attn_v_dim,
         attn_act_sharded=attn_act_sharded, attn_act_repl=attn_act_repl,
+        hidden_dropout=m.hidden_dropout,
         kv_exchange_elems=kv_exchange_elems,
         attn_params=m.attention_params(),
         dense_mlp_params=m.mlp_params(m.ffn_hidden_size),
@@ -61,7 +64,9 @@ def encode_cluster(c: ClusterSpec) -> dict:
     gps = c.gpus_per_site
     vals = dict(
         num_gpus=c.num_gpus, domain=c.nvlink_domain_size, site=gps, sites=c.num_sites,
-        intra_bw=c.intra_node_bw_bytes_per_s, inter_bw=c.inter_node_bw_bytes_per_s * c.fabric_bw_factor,
+        intra_bw=c.intra_node_bw_bytes_per_s,
+        intra_p2p_bw=c.intra_node_bw_bytes_per_s * c.gpu.p2p_bw_bytes_per_s / c.gpu.intra_node_bw_bytes_per_s,
+        inter_bw=c.inter_node_bw_bytes_per_s * c.fabric_bw_factor,
         wan_bw=c.wan_bw_bytes_per_s if c.num_sites > 1 else 1e30,
         intra_lat=c.intra_node_latency_s, inter_lat=c.inter_node_latency_s,
         wan_lat=c.wan_latency_s if c.num_sites > 1 else c.inter_node_latency_s,
@@ -81,6 +86,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         low_precision=float(prec in (Precision.FP8, Precision.FP4)),
         flash=float(j.flash_attention),
         tp_overlap=float(j.tp_comm_overlap),
+        grad_bytes=j.framework.grad_bytes_per_param,
+        fp8_param=float(j.framework.fp8_param_gather),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
     )
     return {k: np.float32(v) for k, v in vals.items()}

@@ -91,6 +91,8 @@ _GPU_FILE_FIELDS = {
 def _gpu_from_entry(name: str, entry: dict) -> GPUSpec:
     # Rounded to whole SI units: 1.555 TB/s * 1e12 is 1555000000000.0002 in floating point.
     si = {f: float(round(entry[key] * factor)) for f, (key, factor) in _GPU_FILE_FIELDS.items()}
+    if entry.get("p2p_gbps"):                        # fully connected meshes: one link per peer
+        si["intra_node_p2p_bw_bytes_per_s"] = float(round(entry["p2p_gbps"] * GIGA))
     return GPUSpec(name=name, family=entry["family"], gpus_per_node=entry["gpus_per_node"],
                    source=_one_line(entry["source"]), **si)
 
@@ -297,7 +299,20 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
         fields_ |= _moe_layout(moe, fields_["num_layers"], where) if moe else {"num_experts": 0}
     if fields_.get("num_experts", 0) == 0:               # dense: drop MoE fields a config may carry
         fields_ = {k: v for k, v in fields_.items() if k not in _MOE_FIELDS}
+    fields_["hidden_dropout"] = _dropout(cfg, model_type, where)
     return ModelSpec(name=name, source=source, **fields_)
+
+
+def _dropout(cfg: dict, model_type: str, where: str) -> float:
+    """Residual (hidden) dropout: GPT-2's resid_pdrop (transformers' default 0.1), else
+    hidden_dropout (absent in Llama-style configs: no dropout)."""
+    key, default = ("resid_pdrop", 0.1) if model_type == "gpt2" else ("hidden_dropout", 0.0)
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise SpecError("model", f"{where}: '{key}' must be a probability in [0, 1), got {value!r}")
+    return float(value)
 
 
 def _model_name_from_path(path: Path) -> str:
@@ -340,9 +355,24 @@ def load_model(name_or_path: str) -> ModelSpec:
 # ---------------------------------------------------------------------------------------------
 
 _CLUSTER_FIELDS = ("name", "gpu", "gpus", "gpus_per_node", "nvlink_domain_size",
-                   "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps", "fabric_bandwidth_factor",
+                   "intra_node_bandwidth_gb_per_s", "inter_node_bandwidth_gb_per_s", "fabric_bandwidth_factor",
                    "intra_node_latency_us", "inter_node_latency_us", "sites")
-_SITE_FIELDS = ("count", "gpus_per_site", "wan_bandwidth_gbps", "wan_latency_ms")
+_SITE_FIELDS = ("count", "gpus_per_site", "wan_bandwidth_gb_per_s", "wan_latency_ms")
+#: earlier names of the bandwidth fields: "gbps" read as GB/s, which most readers take for Gb/s
+_OLD_BANDWIDTH_KEYS = {"intra_node_bandwidth_gbps": "intra_node_bandwidth_gb_per_s",
+                       "inter_node_bandwidth_gbps": "inter_node_bandwidth_gb_per_s",
+                       "wan_bandwidth_gbps": "wan_bandwidth_gb_per_s"}
+
+
+def _renamed(data: dict, prefix: str) -> dict:
+    """The file's fields with the old *_gbps names read as their *_gb_per_s successors (both: an error)."""
+    out = dict(data)
+    for old, new in _OLD_BANDWIDTH_KEYS.items():
+        if old in out:
+            if new in out:
+                raise SpecError(f"{prefix}.{old}", f"give {new} only (GB/s; {old} is its old name)")
+            out[new] = out.pop(old)
+    return out
 
 
 def shipped_cluster_files() -> list[str]:
@@ -417,6 +447,7 @@ def _sites(file: dict, num_gpus: int | None) -> tuple[dict, int | None]:
         return {"num_sites": 1}, None
     if not isinstance(sites, dict):
         raise SpecError("cluster.sites", f"must be a mapping with {', '.join(_SITE_FIELDS)}")
+    sites = _renamed(sites, "cluster.sites")
     _check_known(sites, _SITE_FIELDS, "cluster.sites")
     count = _positive_int("cluster.sites.count", sites.get("count"))
     per_site = sites.get("gpus_per_site")
@@ -430,7 +461,7 @@ def _sites(file: dict, num_gpus: int | None) -> tuple[dict, int | None]:
     out = {"num_sites": count}
     if count > 1:
         out["wan_bw_bytes_per_s"] = _positive_number(
-            "cluster.sites.wan_bandwidth_gbps", sites.get("wan_bandwidth_gbps")) * GIGA
+            "cluster.sites.wan_bandwidth_gb_per_s", sites.get("wan_bandwidth_gb_per_s")) * GIGA
         out["wan_latency_s"] = _positive_number(
             "cluster.sites.wan_latency_ms", sites.get("wan_latency_ms")) * MILLI
     return out, (count * per_site if per_site is not None else None)
@@ -445,6 +476,7 @@ def build_cluster(*, gpu: str | None = None, num_gpus: int | None = None,
     than one NVLink domain is a partial node: its domain is all of its GPUs.
     """
     file = _read_mapping(resolve_cluster_file(cluster_file), "cluster_file") if cluster_file else {}
+    file = _renamed(file, "cluster")
     _check_known(file, _CLUSTER_FIELDS, "cluster")
 
     gpu_name, gpu_field = _pick(gpu, "gpu", file, "gpu")
@@ -489,9 +521,9 @@ def build_cluster(*, gpu: str | None = None, num_gpus: int | None = None,
         num_gpus=gpus,
         nvlink_domain_size=min(domain, per_site),
         intra_node_bw_bytes_per_s=_bandwidth(intra_node_bw_gbps, "intra_node_bw_gbps", file,
-                                             "intra_node_bandwidth_gbps", gpu_spec.intra_node_bw_bytes_per_s),
+                                             "intra_node_bandwidth_gb_per_s", gpu_spec.intra_node_bw_bytes_per_s),
         inter_node_bw_bytes_per_s=_bandwidth(inter_node_bw_gbps, "inter_node_bw_gbps", file,
-                                             "inter_node_bandwidth_gbps", gpu_spec.inter_node_bw_bytes_per_s),
+                                             "inter_node_bandwidth_gb_per_s", gpu_spec.inter_node_bw_bytes_per_s),
         fabric_bw_factor=float(factor),
         name=str(name),
         **site_fields,

@@ -6,6 +6,8 @@ whose message names the field, the value and the rule.
 """
 from __future__ import annotations
 
+import re
+
 import enum
 from dataclasses import dataclass, fields
 
@@ -61,6 +63,26 @@ def _non_negative(name: str, value) -> None:
         raise SpecError(name, f"must be >= 0, got {value!r}")
 
 
+
+#: byte units a memory size may carry (decimal SI and binary IEC prefixes)
+BYTE_UNITS = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+              "KIB": 2.0 ** 10, "MIB": 2.0 ** 20, "GIB": 2.0 ** 30, "TIB": 2.0 ** 40}
+
+
+def parse_bytes(text, field: str, default_unit: str = "GB") -> float:
+    """A memory size with its unit: "80GiB", "76GB", "76 GB", "0.5TiB"; a bare number is in
+    `default_unit`. GB is 10^9 bytes, GiB 2^30 (an "80 GB" H100 holds 80 GiB = 85.9 GB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m:
+        raise SpecError(field, f"must be a size such as 80GiB or 76GB, got {text!r}")
+    value, unit = float(m.group(1)), (m.group(2) or default_unit).upper()
+    if unit not in BYTE_UNITS:
+        raise SpecError(field, f"unknown unit {m.group(2)!r} in {text!r}; use GB (10^9 bytes) or GiB (2^30)")
+    size = value * BYTE_UNITS[unit]
+    if not (size > 0 and size < 1e15):
+        raise SpecError(field, f"must be a positive size below 1 PB, got {text!r}")
+    return size
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A decoder-only transformer, dense or Mixture-of-Experts.
@@ -93,6 +115,8 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Megatron --hidden-dropout (its default is 0.1; Llama-style recipes set 0): dropout masks are kept
+    hidden_dropout: float = 0.0
     source: str = ""
 
     def __post_init__(self):
@@ -198,6 +222,9 @@ class GPUSpec:
     gpus_per_node: int = 8               # GPUs sharing one NVLink domain by default
     intra_node_bw_bytes_per_s: float = 300e9   # per GPU per direction (NVLink)
     inter_node_bw_bytes_per_s: float = 25e9    # per GPU per direction (NIC)
+    # one peer's share of the scale-up link (send/recv to one GPU): all of it behind a switch
+    # (NVSwitch), one link of a fully connected mesh (MI300X xGMI); 0 = the whole intra-node bandwidth
+    intra_node_p2p_bw_bytes_per_s: float = 0.0
     family: str = ""                     # calibration family, e.g. "ampere", "hopper"
     source: str = ""
 
@@ -208,6 +235,10 @@ class GPUSpec:
             if not isinstance(v, (int, float)) or v <= 0:
                 raise SpecError(f, f"must be a positive number, got {v!r}")
         _positive("gpus_per_node", self.gpus_per_node)
+
+    @property
+    def p2p_bw_bytes_per_s(self) -> float:
+        return self.intra_node_p2p_bw_bytes_per_s or self.intra_node_bw_bytes_per_s
 
     def peak_flops(self, precision: Precision) -> float:
         if precision is Precision.FP8:
