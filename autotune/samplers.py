@@ -49,6 +49,8 @@ TPE_RETRIES = 3
 CMAES_STARTUP_TRIALS = 10
 NSGA2_MIN_POPULATION = 20
 _ALIASES = {"nsgaii": "nsga2", "cma": "cmaes", "bruteforce": "grid"}
+#: local moves are looked for among the moves of at most 1, then 2, 4 domain steps, then all
+_MOVE_STEPS = (1, 2, 4, None)
 
 
 def check_sampler(name: str, n_objectives: int) -> str:
@@ -198,6 +200,22 @@ class LegalSampler(BaseSampler):
             if cand is not None and self._key(cand) not in tried:
                 self._origin[self._key(cand)] = dict(best)
                 return cand
+        for max_steps in _MOVE_STEPS:          # the nearest moves first: most are found at one step
+            options = self._moves(done, tried, max_steps)
+            if options:
+                break
+        if not options:
+            return None
+        low = min(o[0] for o in options)
+        nearest = [o for o in options if o[0] == low]
+        rng = np.random.default_rng(None if self.seed is None else [self.seed, number])
+        _, cand, incumbent = nearest[int(rng.integers(len(nearest)))]
+        self._origin[self._key(cand)] = dict(incumbent)
+        return cand
+
+    def _moves(self, done: list, tried: set, max_steps: int | None) -> list:
+        """(distance + rank of the incumbent, plan, incumbent) of the nearest untried moves from each
+        of the best `incumbents` distinct plans."""
         options: list = []
         seen: set = set()
         for t in done:
@@ -208,16 +226,10 @@ class LegalSampler(BaseSampler):
             seen.add(key)
             if rank >= self.incumbents:
                 break
-            fresh = [(d + rank, c, t.params) for d, c in self.space.neighbors(t.params) if self._key(c) not in tried]
-            options += [o for o in fresh if fresh and o[0] == fresh[0][0]]
-        if not options:
-            return None
-        low = min(o[0] for o in options)
-        nearest = [o for o in options if o[0] == low]
-        rng = np.random.default_rng(None if self.seed is None else [self.seed, number])
-        _, cand, incumbent = nearest[int(rng.integers(len(nearest)))]
-        self._origin[self._key(cand)] = dict(incumbent)
-        return cand
+            fresh = [(d + rank, c, t.params) for d, c in self.space.neighbors(t.params, max_steps)
+                     if self._key(c) not in tried]
+            options += [o for o in fresh if o[0] == fresh[0][0]]
+        return options
 
     def _random_untried(self, study, number: int) -> dict | None:
         rng = np.random.default_rng(None if self.seed is None else [self.seed, number, 1])
