@@ -11,16 +11,10 @@ from search_spaces.space import Problem, check_plan, complete_plan
 
 from .optuna_search import exhaustive_range, optuna_search
 
-from .problem import DEFAULT_TOKENS_PER_STEP, build_problem, framework_spec, load_params  # noqa: F401 (the API)
+from .measurements import load_params  # noqa: F401 (the API)
+from .problem import DEFAULT_TOKENS_PER_STEP, build_problem, framework_spec, plan_from_text  # noqa: F401 (the API)
 from .search import SearchResult, exhaustive, predict
 from .study_spec import StudySpec
-
-
-def plan_from_text(text: str, problem: Problem) -> Plan:
-    """Parse --plan, fill omitted knobs with defaults (dp from the GPU count), check legality."""
-    plan = complete_plan(parse_plan_text(text), problem)
-    check_plan(plan, problem)
-    return plan
 
 
 @dataclass(frozen=True, kw_only=True)

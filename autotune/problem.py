@@ -1,13 +1,13 @@
 """A problem from user-level names (model preset or config.json, GPU preset or cluster file, job),
-and the efficiency parameters to score it with. Below `api` and the search modules, so the search
+and a plan from its text. Below `api` and the search modules, so the search
 can rebuild a problem (a study's worker, each GPU count of a range) without importing the facade."""
 from __future__ import annotations
 
-from costmodels.params import EfficiencyParams
+from costmodels.plan import Plan, parse_plan_text
 from costmodels.presets import build_cluster, load_model
 from costmodels.specs import (AttentionBackend, DispatcherType, Framework, FrameworkSpec, JobSpec, Precision,
                               SpecError)
-from search_spaces.space import Problem
+from search_spaces.space import Problem, check_plan, complete_plan
 
 #: default tokens per optimizer step when --global-batch is omitted (Llama 3 / GPT-3 scale: ~4M)
 DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
@@ -56,12 +56,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
     return FrameworkSpec(**given)
 
 
-def load_params(calibration: str | None, gpu: str | None = None) -> tuple[EfficiencyParams, str]:
-    """Efficiency parameters: a calibration file if given, else the shipped defaults. With `gpu`,
-    a file fitted for another GPU is refused (one-line SpecError naming the fix)."""
-    from .measurements import calibration_for_gpu, read_calibration
-    if not calibration:
-        return EfficiencyParams(), "defaults"
-    if gpu is not None:
-        return calibration_for_gpu(calibration, gpu)
-    return read_calibration(calibration)[0], calibration
+def plan_from_text(text: str, problem: Problem) -> Plan:
+    """Parse --plan, fill omitted knobs with defaults (dp from the GPU count), check legality."""
+    plan = complete_plan(parse_plan_text(text), problem)
+    check_plan(plan, problem)
+    return plan

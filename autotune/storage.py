@@ -125,6 +125,17 @@ def storage_error(exc: BaseException, url: str | None) -> SpecError:
     return SpecError("storage", f"{redact_url(url)}: {scrub(line, url)}")
 
 
+@contextlib.contextmanager
+def storage_errors(url: str | None):
+    """Turn a storage failure inside the block into one SpecError line naming the storage."""
+    try:
+        yield
+    except Exception as exc:
+        if is_storage_error(exc):
+            raise storage_error(exc, url) from None
+        raise
+
+
 def is_storage_error(exc: BaseException) -> bool:
     """Whether an exception came from the storage (Optuna's wrapper, SQLAlchemy or a DB driver)."""
     if isinstance(exc, optuna.exceptions.StorageInternalError):

@@ -16,7 +16,7 @@ import optuna
 
 from costmodels.specs import SpecError
 
-from .storage import load_study, open_storage, redact_url, same_file, storage_path
+from .storage import load_study, open_storage, redact_url, same_file, storage_errors, storage_path
 from .trials import best_trials, pareto_trials
 
 #: The study user attribute that holds the problem (see study_spec.StudySpec).
@@ -33,6 +33,11 @@ def _objectives(study_attrs: dict, directions) -> list:
 
 def list_studies(url: str | None) -> list[dict]:
     """One summary per study: name, objectives, problem, trials by state, started."""
+    with storage_errors(url):
+        return _list_studies(url)
+
+
+def _list_studies(url: str | None) -> list[dict]:
     storage = open_storage(url, must_exist=True)
     out = []
     for s in optuna.get_all_study_summaries(storage, include_best_trial=False):
@@ -73,6 +78,11 @@ def trial_row(t) -> dict:
 
 def show_study(url: str | None, name: str, top: int = 10) -> dict:
     """The study's problem, settings, trial counts, best feasible plans and Pareto front."""
+    with storage_errors(url):
+        return _show_study(url, name, top)
+
+
+def _show_study(url: str | None, name: str, top: int) -> dict:
     study = load_study(open_storage(url, must_exist=True), name, url)
     trials = study.get_trials(deepcopy=False)
     spec = study.user_attrs.get(STUDY_ATTR) or {}
@@ -96,8 +106,9 @@ def export_study(url: str | None, name: str, path: str) -> dict:
     store = storage_path(url)
     if store is not None and same_file(path, store):
         raise SpecError("export", f"{path} is the study's storage; export to another file")
-    study = load_study(open_storage(url, must_exist=True), name, url)
-    rows = [trial_row(t) for t in study.get_trials(deepcopy=False)]
+    with storage_errors(url):
+        study = load_study(open_storage(url, must_exist=True), name, url)
+        rows = [trial_row(t) for t in study.get_trials(deepcopy=False)]
     fmt = "csv" if path.lower().endswith(".csv") else "json"
     if fmt == "json":
         text = json.dumps({"study": name, "storage": redact_url(url),

@@ -12,7 +12,8 @@ from search_spaces.optuna_space import GpuRange, PlanSpace, parse_gpus
 from search_spaces.space import Problem
 
 from .objectives import parse_objectives
-from .problem import build_problem, load_params
+from .measurements import load_params
+from .problem import build_problem
 from .samplers import DEFAULT_SAMPLER, check_sampler
 from .scoring import SMALL_CHUNK
 

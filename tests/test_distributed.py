@@ -254,3 +254,18 @@ def test_database_stopped_under_a_running_worker(pg, study_name):
     done = _finish(_worker(pg, name, 8, "--stale-after", "1"))
     assert done["run"]["trials"] == 8
     assert not [t for t in _states(pg, name) if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+
+
+def test_a_study_name_the_database_refuses_is_one_line(pg):
+    """A 600-character study name (PostgreSQL's column holds 512): Optuna's StorageInternalError
+    becomes one line naming the storage, exit 2, no traceback, no password."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    r = CliRunner().invoke(app, ["search", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch",
+                                 "16", "--seq-len", "4096", "--strategy", "optuna", "--trials", "2", "--storage", pg,
+                                 "--study", "x" * 600, "--no-save", "--no-sensitivity"])
+    assert r.exit_code == 2, (r.stdout, r.stderr, r.exception)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: storage: {redact_url(pg)}"), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and "autotune:autotune@" not in r.stdout + r.stderr
