@@ -261,13 +261,16 @@ def _ask_batch(study: optuna.Study, space: PlanSpace, k: int, owner: str, stats:
     pending, asked = [], {}
     for _ in range(k):
         trial = study.ask()
-        trial.set_user_attr("worker", owner)
         try:
+            trial.set_user_attr("worker", owner)
             asked[trial.number] = space.suggest(trial)
         except IllegalParams as exc:
             trial.set_user_attr("illegal", str(exc))
             study.tell(trial, state=TrialState.FAIL)
             stats.failed += 1
+            continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            stats.lost += 1                 # another worker failed it as stale meanwhile
             continue
         pending.append(trial)
     return pending, asked

@@ -231,6 +231,8 @@ def run_worker(storage_url: str, study_name: str, *, n_trials: int | None, timeo
                progress: Callable | None = None) -> dict:
     """Run n_trials more trials of an existing study (its problem comes from the study itself)."""
     _check_run(n_trials, timeout_s, batch_size)
+    if not stale_after_s > 0:
+        raise SpecError("stale_after", f"must be a positive number of seconds, got {stale_after_s}")
     t0 = time.perf_counter()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = open_storage(storage_url, must_exist=True, grace_s=stale_after_s if stale_after_s < STALE_AFTER_S else None)

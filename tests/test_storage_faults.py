@@ -175,3 +175,9 @@ def test_a_sigkilled_worker_is_resumed_with_nothing_lost(tmp_path, monkeypatch, 
     assert running <= {t.system_attrs.get("failed_trial") for t in complete}   # each dead plan scored again
     if where.startswith("journal"):
         assert not Path(str(Path(url[len("journal:"):]).resolve()) + ".lock").exists()
+
+
+def test_stale_after_must_be_positive(small_study):
+    _, urls = small_study
+    r = runner.invoke(app, ["worker", "--storage", urls["sqlite"], "--study", "s", "--trials", "1", "--stale-after", "-1"])
+    one_error_line(r, 2, "stale_after", "positive")
