@@ -542,3 +542,18 @@ def test_ctrl_c_keeps_finished_trials(tmp_path):
     states = [t.state for t in optuna.load_study(study_name="int", storage=url).trials]
     assert optuna.trial.TrialState.RUNNING not in states
     assert states.count(optuna.trial.TrialState.COMPLETE) == 8 + w["run"]["trials"]
+
+
+def test_api_search_is_one_path_for_every_strategy():
+    """api.search takes a Problem or a StudySpec: exhaustive on one count, exhaustive on a range, Optuna."""
+    from autotune import api
+    problem = build_problem(**{**SMALL, "gpus": 8})
+    ref = api.search(problem, fixed=PINNED)
+    spec = StudySpec(**SMALL, fixed=PINNED, seed=0)
+    assert api.search(spec).best["plan"] == ref.best["plan"]
+    rng = api.search(StudySpec(**{**SMALL, "gpus": "8-16:pow2"}, fixed=PINNED))
+    assert rng.strategy == "exhaustive" and rng.space["gpu_counts"] == 2 and rng.space["scored"] == rng.space["legal"]
+    opt = api.search(spec, strategy="optuna", run=api.OptunaRun(n_trials=6))
+    assert opt.strategy == "optuna" and opt.best["plan"] == ref.best["plan"]
+    with pytest.raises(SpecError):
+        api.search(problem, strategy="optuna")
