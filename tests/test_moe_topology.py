@@ -251,3 +251,27 @@ def test_shared_experts_pay_their_own_tp_collectives():
     with_s = predict(p, plan)["time_breakdown_s"]["tp_comm"]
     without = predict(no_shared, plan)["time_breakdown_s"]["tp_comm"]
     assert with_s > 1.3 * without
+
+
+def test_p2p_inside_an_mi300x_node_uses_one_xgmi_link():
+    """MI300X's 8 GPUs are a fully connected xGMI mesh: 7 links of 64 GB/s per direction (448 GB/s in
+    all, AMD datasheet); a send/recv to one peer gets one link. Behind NVSwitch one peer gets all of
+    NVLink (H100: 450 GB/s)."""
+    from costmodels.presets import build_cluster
+    eff = (1.0, 1.0)
+    for gpu, peer_bw in (("mi300x", 64e9), ("h100", 450e9)):
+        hw = encode_cluster(build_cluster(gpu=gpu, num_gpus=8))
+        t = float(C.p2p_s(1e9, 1.0, 2.0, hw, eff))
+        assert t == pytest.approx(1e9 / peer_bw + float(hw["intra_lat"]), rel=1e-4), gpu
+
+
+def test_cp_ring_between_nodes_runs_at_one_nic():
+    """Ring attention across nodes: each step every rank sends its K/V block to the next; the hop
+    between nodes goes over one NIC, so a CP group that leaves the node is NIC-bound per step."""
+    from costmodels.presets import build_cluster
+    hw = encode_cluster(build_cluster(gpu="h100", num_gpus=16))
+    eff = (1.0, 1.0)
+    inside = float(C.p2p_s(1e8, 1.0, 8.0, hw, eff))        # cp 8 at stride 1: one node
+    across = float(C.p2p_s(1e8, 2.0, 8.0, hw, eff))        # cp 8 at stride 2 (tp 2): two nodes
+    assert inside == pytest.approx(1e8 / float(hw["intra_p2p_bw"]) + float(hw["intra_lat"]), rel=1e-4)
+    assert across == pytest.approx(1e8 / float(hw["inter_bw"]) + float(hw["inter_lat"]), rel=1e-4)
