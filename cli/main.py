@@ -32,7 +32,7 @@ from autotune.report import (TIME_LABELS, extras_text, plan_text, problem_dict, 
 from autotune.scoring import enable_compile_cache
 from autotune.search import NothingFits
 from autotune.sensitivity import add_sensitivity
-from cli import export_cmds, optuna_cmds
+from cli import export_cmds, optuna_cmds, verify_cmds
 from costmodels.specs import SpecError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 2, 3
@@ -281,6 +281,7 @@ def search(
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
     export_to: export_cmds.ExportOpt = None,
+    verify_top: verify_cmds.VerifyTopOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
@@ -295,6 +296,7 @@ def search(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
                                     intra_node_bw, inter_node_bw, cluster, fw)))
     if choice.strategy == "optuna" or isinstance(gpu_count, optuna_cmds.GpuRange):
+        verify_cmds.refuse_with_optuna(verify_top)
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
             gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, cluster=cluster,
@@ -320,6 +322,8 @@ def search(
         with _spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
     export_cmds.finish_report(report, problem, export_to)
+    if verify_top:
+        report["verification"] = verify_cmds.search_verification(problem, report, verify_top, params, as_json, out, no_save)
     saved = None
     if not no_save:
         try:
@@ -340,6 +344,8 @@ def search(
             con.print(Text(f"  - {sentence}"))
         con.print()
     con.print(Text(_space_line(report["space"], report["elapsed_s"])))
+    if verify_top:
+        verify_cmds.print_verification(con, report["verification"])
     if strategy != "exhaustive":
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved (--no-save)."))
@@ -451,6 +457,7 @@ _register_analysis(app)
 optuna_cmds.register(app)
 # issue 13/14: export / check / launch (search --export goes through export_cmds.finish_report)
 export_cmds.register(app)
+verify_cmds.register(app)   # issue 14: verify (search --verify-top: cli/verify_cmds.py)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,277 @@
+"""A decoder-only transformer built from a `ModelSpec`: pure functions over a parameter pytree.
+
+Symbols (as in costmodels): b micro-batch, s sequence, h hidden, a heads, g KV heads, d head dim,
+f FFN hidden, V vocab, E routed experts, k experts per token, f_e expert FFN hidden, L layers.
+
+Blocks: RMSNorm (Zhang & Sennrich 2019), rotary position embedding (Su et al. 2021, eq. 34),
+grouped-query attention (Ainslie et al. 2023), SwiGLU MLP (Shazeer 2020), MoE with softmax top-k
+routing renormalised over the k chosen experts (Mixtral / Qwen3 `norm_topk_prob`) and always-on
+shared experts (DeepSeekMoE, Dai et al. 2024). Pre-norm residual blocks, untied output head unless
+the spec ties them.
+
+Sharding is not decided here: every activation passes through `shard(x, kind)`, a callback that the
+runner fills with `jax.lax.with_sharding_constraint` for the plan (identity when unsharded), and the
+MoE dispatch goes through `moe_dispatch`, which the runner replaces by an expert-parallel shard_map.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from costmodels.specs import ModelSpec
+
+#: RMSNorm epsilon (Llama / Qwen configs: rms_norm_eps 1e-5 or 1e-6)
+RMS_EPS = 1e-5
+#: RoPE base frequency (Llama 2: rope_theta 10000)
+ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dims:
+    """The sizes the runner builds (a ModelSpec's, possibly with fewer layers for a proxy run)."""
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    num_experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    num_shared_experts: int = 0
+    shared_ffn: int = 0
+    first_dense_layers: int = 0
+    tied_embeddings: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, num_layers: int | None = None) -> "Dims":
+        return cls(num_layers=num_layers or spec.num_layers, hidden=spec.hidden_size,
+                   heads=spec.num_attention_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim_eff,
+                   ffn=spec.ffn_hidden_size, vocab=spec.vocab_size, num_experts=spec.num_experts,
+                   top_k=spec.experts_per_token, expert_ffn=spec.moe_ffn_hidden_size,
+                   num_shared_experts=spec.num_shared_experts,
+                   shared_ffn=spec.shared_expert_ffn_hidden_size or spec.moe_ffn_hidden_size,
+                   first_dense_layers=0, tied_embeddings=spec.tied_embeddings)
+
+
+def layer_param_shapes(dm: Dims) -> dict:
+    """Shapes of one layer's weights. A MoE model is all-MoE here (first_k_dense_layers are not
+    built: the stacked layers of a scan must share one structure)."""
+    h, d = dm.hidden, dm.head_dim
+    shapes = {"attn_norm": (h,), "wq": (h, dm.heads * d), "wk": (h, dm.kv_heads * d),
+              "wv": (h, dm.kv_heads * d), "wo": (dm.heads * d, h), "mlp_norm": (h,)}
+    if dm.is_moe:
+        e, fe = dm.num_experts, dm.expert_ffn
+        shapes.update({"router": (h, e), "e_gate": (e, h, fe), "e_up": (e, h, fe), "e_down": (e, fe, h)})
+        if dm.num_shared_experts:
+            fs = dm.num_shared_experts * dm.shared_ffn
+            shapes.update({"w_gate": (h, fs), "w_up": (h, fs), "w_down": (fs, h)})
+    else:
+        shapes.update({"w_gate": (h, dm.ffn), "w_up": (h, dm.ffn), "w_down": (dm.ffn, h)})
+    return shapes
+
+
+def init_params(dm: Dims, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Parameters with layers stacked on a leading [L] axis: {"embed", "final_norm", "head"?, "layers"}.
+    Normal(0, 0.02) weights (GPT-2 / Megatron --init-method-std default), output projections scaled
+    by 1/sqrt(2L) (Megatron's scaled_init_method_normal), norms at 1."""
+    std = 0.02
+    shapes = layer_param_shapes(dm)
+    keys = jax.random.split(key, len(shapes) + 2)
+    layers = {}
+    for i, (name, shp) in enumerate(sorted(shapes.items())):
+        full = (dm.num_layers, *shp)
+        if name.endswith("norm"):
+            layers[name] = jnp.ones(full, dtype)
+        else:
+            scale = std / math.sqrt(2 * dm.num_layers) if name in ("wo", "w_down", "e_down") else std
+            layers[name] = (scale * jax.random.normal(keys[i], full, jnp.float32)).astype(dtype)
+    params = {"embed": (std * jax.random.normal(keys[-2], (dm.vocab, dm.hidden), jnp.float32)).astype(dtype),
+              "final_norm": jnp.ones((dm.hidden,), dtype), "layers": layers}
+    if not dm.tied_embeddings:
+        params["head"] = (std * jax.random.normal(keys[-1], (dm.hidden, dm.vocab), jnp.float32)).astype(dtype)
+    return params
+
+
+def no_shard(x, kind):
+    return x
+
+
+def rms_norm(x, w):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + RMS_EPS)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions):
+    """Rotary embedding on the last axis of x [b, s, heads, d] (halves rotated, as in Llama/NeoX)."""
+    d = x.shape[-1]
+    inv = ROPE_THETA ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    ang = positions[:, None].astype(jnp.float32) * inv[None, :]          # [s, d/2]
+    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_core(q, k, v, implementation: str = "xla"):
+    """Causal softmax(q k^T / sqrt(d)) v with grouped KV heads: q [b,s,a,d], k/v [b,s,g,d].
+    "xla" materialises the s x s scores (unfused attention); "cudnn" is cuDNN's fused (flash)
+    attention kernel, GPU only."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def ring_attention_block(q, k, v, *, axis: str, axis_size: int):
+    """Causal ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; Megatron
+    CP without load balancing) inside shard_map: this rank holds sequence block r of q, k, v; K/V blocks
+    travel around the ring with ppermute while an online softmax (Milakov & Gimelshein 2018) folds in
+    one block per hop. The diagonal block comes first, so every query row has a finite running max
+    before fully masked blocks arrive."""
+    b, sq, a, d = q.shape
+    g = k.shape[2]
+    r = jax.lax.axis_index(axis)
+    qg = q.reshape(b, sq, g, a // g, d)
+    qpos = r * sq + jnp.arange(sq)
+    m = jnp.full((b, g, a // g, sq), -1e30, jnp.float32)
+    l = jnp.zeros((b, g, a // g, sq), jnp.float32)
+    o = jnp.zeros((b, sq, g, a // g, d), jnp.float32)
+    perm = [(j, (j + 1) % axis_size) for j in range(axis_size)]
+    for i in range(axis_size):
+        kpos = ((r - i) % axis_size) * sq + jnp.arange(sq)
+        s = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k).astype(jnp.float32) / math.sqrt(d)
+        s = jnp.where(qpos[:, None] >= kpos[None, :], s, -1e30)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        o = (o * jnp.moveaxis(alpha, -1, 1)[..., None]
+             + jnp.einsum("bgrqk,bkgd->bqgrd", p.astype(v.dtype), v).astype(jnp.float32))
+        m = m_new
+        if i + 1 < axis_size:
+            k = jax.lax.ppermute(k, axis, perm)
+            v = jax.lax.ppermute(v, axis, perm)
+    out = o / jnp.moveaxis(l, -1, 1)[..., None]
+    return out.reshape(b, sq, a, d).astype(q.dtype)
+
+
+def swiglu(x, w_gate, w_up, w_down, shard=no_shard):
+    hid = shard(jax.nn.silu(x @ w_gate) * (x @ w_up), "ffn")
+    return hid @ w_down
+
+
+def route(x_tokens, router, top_k):
+    """Softmax router, top-k, weights renormalised over the chosen experts: ([T,k] gates, [T,k] ids)."""
+    probs = jax.nn.softmax((x_tokens @ router).astype(jnp.float32), axis=-1)
+    gates, ids = jax.lax.top_k(probs, top_k)
+    return (gates / jnp.sum(gates, axis=-1, keepdims=True)), ids
+
+
+def experts_local(buf, e_gate, e_up, e_down):
+    """SwiGLU of each expert on its token buffer: buf [E, C, h] -> [E, C, h]."""
+    hid = jax.nn.silu(jnp.einsum("ech,ehf->ecf", buf, e_gate)) * jnp.einsum("ech,ehf->ecf", buf, e_up)
+    return jnp.einsum("ecf,efh->ech", hid, e_down)
+
+
+def moe_tokens(x_tokens, router, e_gate, e_up, e_down, *, num_experts, top_k,
+               exchange: Callable = None):
+    """Dropless top-k MoE of T tokens [T, h]: scatter each (token, choice) into a per-expert buffer
+    [E, C=T, h] (an expert sees a token at most once), run the experts, gather back, weight by the
+    gates. `exchange(buf, fn)` runs fn on the buffer where the experts live (identity here; the
+    expert-parallel runner does all_to_all -> local experts -> all_to_all)."""
+    t, h = x_tokens.shape
+    gates, ids = route(x_tokens, router, top_k)
+    onehot = jax.nn.one_hot(ids.reshape(-1), num_experts, dtype=jnp.int32)          # [T*k, E]
+    pos = (jnp.cumsum(onehot, axis=0) - 1)[jnp.arange(t * top_k), ids.reshape(-1)]   # slot in its expert
+    tok = jnp.repeat(jnp.arange(t), top_k)
+    buf = jnp.zeros((num_experts, t, h), x_tokens.dtype).at[ids.reshape(-1), pos].set(x_tokens[tok])
+    run = lambda b_: experts_local(b_, e_gate, e_up, e_down)                         # noqa: E731
+    out_buf = run(buf) if exchange is None else exchange(buf, run)
+    picked = out_buf[ids.reshape(-1), pos].reshape(t, top_k, h)
+    return jnp.einsum("tkh,tk->th", picked.astype(jnp.float32), gates).astype(x_tokens.dtype)
+
+
+def moe_block(x, p, dm: Dims, moe_dispatch=None):
+    """x [b, s, h] -> routed experts (+ shared experts added by the caller)."""
+    if moe_dispatch is not None:
+        return moe_dispatch(x, p["router"], p["e_gate"], p["e_up"], p["e_down"])
+    b, s, h = x.shape
+    y = moe_tokens(x.reshape(b * s, h), p["router"], p["e_gate"], p["e_up"], p["e_down"],
+                   num_experts=dm.num_experts, top_k=dm.top_k)
+    return y.reshape(b, s, h)
+
+
+def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none", moe_dispatch=None,
+          attention: str = "xla", attention_fn=None):
+    """One pre-norm block. recompute="selective" recomputes the attention core in backward (only its
+    inputs q, k, v are saved: Korthikanti et al. 2022 sec. 4.2); "full" is applied by the caller."""
+    b, s, _ = x.shape
+    hn = shard(rms_norm(x, p["attn_norm"]), "hidden_full")
+    q = shard((hn @ p["wq"]).reshape(b, s, dm.heads, dm.head_dim), "heads")
+    k = shard((hn @ p["wk"]).reshape(b, s, dm.kv_heads, dm.head_dim), "heads")
+    v = shard((hn @ p["wv"]).reshape(b, s, dm.kv_heads, dm.head_dim), "heads")
+    q, k = rope(q, positions), rope(k, positions)
+    if attention_fn is None:
+        k, v = shard(k, "kv_full"), shard(v, "kv_full")      # context parallel without a ring: all-gather K/V
+    core = attention_fn or partial(attention_core, implementation=attention)
+    if recompute == "selective":
+        core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
+    att = shard(core(q, k, v), "heads").reshape(b, s, dm.heads * dm.head_dim)
+    x = shard(x + att @ p["wo"], "hidden")
+    hn = shard(rms_norm(x, p["mlp_norm"]), "hidden_full")
+    if dm.is_moe:
+        y = moe_block(hn, p, dm, moe_dispatch)
+        if dm.num_shared_experts:
+            y = y + swiglu(hn, p["w_gate"], p["w_up"], p["w_down"], shard)
+    else:
+        y = swiglu(hn, p["w_gate"], p["w_up"], p["w_down"], shard)
+    return shard(x + y, "hidden")
+
+
+def layers_scan(x, layer_params, positions, dm: Dims, *, shard=no_shard, recompute="none",
+                moe_dispatch=None, cast=None, attention="xla", attention_fn=None):
+    """Run a stack of layers ([n, ...] leading axis) with lax.scan. `cast(p)` turns a layer's stored
+    weights into compute weights (bf16 cast, and the ZeRO-3 all-gather) inside the scan, so gathered
+    weights live one layer at a time."""
+    def body(h, p):
+        if cast is not None:
+            p = cast(p)
+        fn = lambda h_, p_: layer(h_, p_, positions, dm, shard=shard,                # noqa: E731
+                                  recompute=recompute, moe_dispatch=moe_dispatch, attention=attention,
+                                  attention_fn=attention_fn)
+        if recompute == "full":
+            fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+        return fn(h, p), None
+    x, _ = jax.lax.scan(body, x, layer_params)
+    return x
+
+
+def embed(tokens, params, shard=no_shard, dtype=jnp.float32):
+    return shard(jnp.take(params["embed"].astype(dtype), tokens, axis=0), "hidden")
+
+
+def head_loss(x, targets, params, shard=no_shard, dtype=jnp.float32):
+    """Mean token cross-entropy of the final norm + output head, logits in fp32."""
+    x = shard(rms_norm(x, params["final_norm"].astype(dtype)), "hidden_full")
+    w = params["head"] if "head" in params else params["embed"].T
+    logits = shard((x @ w.astype(dtype)).astype(jnp.float32), "logits")
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - gold)
+
+
+def reference_loss(params, tokens, targets, dm: Dims, recompute="none", dtype=jnp.float32):
+    """The unsharded model: one device, the whole batch at once (the equivalence tests' oracle)."""
+    positions = jnp.arange(tokens.shape[1])
+    cast = lambda p: jax.tree.map(lambda w: w.astype(dtype), p)                          # noqa: E731
+    x = embed(tokens, params, dtype=dtype)
+    x = layers_scan(x, params["layers"], positions, dm, recompute=recompute, cast=cast)
+    return head_loss(x, targets, params, dtype=dtype)

@@ -1,0 +1,397 @@
+"""The model of `runner.model` sharded on a device mesh by a `Plan`, with its training step.
+
+Mesh axes, outermost first (Megatron's rank order: TP innermost, then CP, EP/DP, PP outermost):
+("pp", "dp", "ep", "cp", "tp"); the data-parallel group is ("dp", "ep") (EP folds into DP, so
+dp_mesh = plan.dp / plan.ep). Sharding is GSPMD (`with_sharding_constraint`), except the MoE
+token exchange, which is an explicit `shard_map` with two `all_to_all`s over "ep".
+
+* TP, Megatron-style (Shoeybi et al. 2019 sec. 3): wq/wk/wv and the MLP's gate/up column-parallel,
+  wo and down row-parallel, vocab-parallel embedding and head. SP (Korthikanti et al. 2022 sec.
+  4.2.2): the residual stream is sharded over tp on the sequence between blocks.
+* DP: the batch over ("dp", "ep"); ZeRO-1 shards the fp32 master weights and Adam moments over it,
+  ZeRO-2 also the accumulated gradients, ZeRO-3 keeps no full bf16 copy and gathers each layer's
+  weights inside the layer scan (Rajbhandari et al. 2020).
+* CP: the sequence over "cp" in cp contiguous blocks; ring attention (shard_map, K/V blocks sent
+  around the ring with ppermute, online softmax). No load balancing: a rank still computes the
+  fully masked blocks (Megatron's 2*cp zig-zag split would skip them).
+* EP: expert weights over "ep"; tokens sent to their experts' ranks with all_to_all and back.
+* PP: layers over "pp" as [pp, L/pp] stacks, GPipe schedule (Huang et al. 2019): each tick every
+  stage runs its layers on its buffer (vmap with spmd_axis_name="pp"), then the buffers shift one
+  stage (a collective permute); pp - 1 bubble ticks; all micro-batches' activations stay until the
+  backward pass (GPipe's memory, not 1F1B's). Interleaved stages (vpp > 1) are refused.
+* Recompute: "selective" checkpoints the attention core, "full" whole layers (jax.checkpoint with
+  nothing_saveable).
+* Gradient accumulation over micro-batches (lax.scan) without PP; AdamW (Loshchilov & Hutter 2019)
+  on fp32 master weights; compute in `compute_dtype` (bf16 by default).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from costmodels.plan import Plan
+from costmodels.specs import Recompute
+
+from . import model as M
+
+MESH_AXES = ("pp", "dp", "ep", "cp", "tp")
+BATCH = ("dp", "ep")
+
+#: AdamW hyper-parameters (Llama 2 paper sec. 2.2: beta2 0.95, eps 1e-5 there; weight decay 0.1)
+ADAM_B1, ADAM_B2, ADAM_EPS, WEIGHT_DECAY = 0.9, 0.95, 1e-8, 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShape:
+    """What one run builds: the model sizes, the plan and the batch of one optimizer step."""
+    dims: M.Dims
+    plan: Plan
+    seq_len: int
+    global_batch: int                 # sequences per optimizer step
+    compute_dtype: str = "bfloat16"
+    learning_rate: float = 1e-3
+    attention: str = "xla"            # "xla" (unfused, any device) or "cudnn" (fused, GPU)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch // (self.plan.dp * self.plan.mbs)
+
+    @property
+    def recompute(self) -> str:
+        return {Recompute.NONE: "none", Recompute.SELECTIVE: "selective", Recompute.FULL: "full"}[self.plan.recompute]
+
+
+def unsupported_reason(shape: RunShape) -> str | None:
+    """None when the runner can build this plan, else a one-line reason."""
+    p, dm, s = shape.plan, shape.dims, shape.seq_len
+    checks = [
+        (p.vpp == 1, f"vpp={p.vpp}: interleaved pipeline stages are not implemented in the jax runner (GPipe, vpp=1)"),
+        (p.etp == 1, f"etp={p.etp}: expert tensor parallelism is not implemented in the jax runner"),
+        (not (p.first_layers or p.last_layers or p.layout), "uneven pipeline splits are not implemented in the jax runner"),
+        (p.recompute_layers == 0, "recompute_layers (block recomputation) is not implemented in the jax runner"),
+        (p.ep == 1 or dm.is_moe, f"ep={p.ep} needs a MoE model"),
+        (p.dp % p.ep == 0, f"ep={p.ep} must divide dp={p.dp} in the jax runner (EP folds into DP only)"),
+        (not dm.is_moe or dm.num_experts % p.ep == 0, f"ep={p.ep} must divide num_experts={dm.num_experts}"),
+        (dm.num_layers % p.pp == 0, f"pp={p.pp} must divide the {dm.num_layers} layers built"),
+        (dm.heads % p.tp == 0 and dm.kv_heads % p.tp == 0,
+         f"tp={p.tp} must divide heads={dm.heads} and kv_heads={dm.kv_heads}"),
+        (dm.vocab % p.tp == 0, f"tp={p.tp} must divide vocab={dm.vocab}"),
+        (s % (p.cp * (p.tp if (p.sp or dm.is_moe) else 1)) == 0,
+         f"seq_len={s} must be divisible by cp*tp={p.cp * p.tp} (sequence parallel / MoE tokens)"),
+        (shape.global_batch % (p.dp * p.mbs) == 0,
+         f"global_batch={shape.global_batch} must be a multiple of dp*mbs={p.dp * p.mbs}"),
+    ]
+    for ok, reason in checks:
+        if not ok:
+            return reason
+    return None
+
+
+def make_mesh(plan: Plan, devices) -> Mesh:
+    shape = (plan.pp, plan.dp // plan.ep, plan.ep, plan.cp, plan.tp)
+    return Mesh(np.asarray(devices[:int(np.prod(shape))]).reshape(shape), MESH_AXES)
+
+
+# ------------------------------------------------------------------------------------------------
+# Partition specs
+# ------------------------------------------------------------------------------------------------
+
+def activation_specs(sp: bool) -> dict:
+    """Spec of each named activation kind of `model.layer` (per stage; vmap adds "pp")."""
+    seq = ("cp", "tp") if sp else "cp"
+    return {"hidden": P(BATCH, seq, None), "hidden_full": P(BATCH, "cp", None),
+            "heads": P(BATCH, "cp", "tp", None), "kv_full": P(BATCH, None, "tp", None),
+            "ffn": P(BATCH, "cp", "tp"), "logits": P(BATCH, "cp", "tp")}
+
+
+#: compute-time spec of each weight (without the stacked-layer axes): column / row parallel
+_WEIGHT_SPECS = {"attn_norm": P(None), "mlp_norm": P(None), "final_norm": P(None),
+                 "wq": P(None, "tp"), "wk": P(None, "tp"), "wv": P(None, "tp"), "wo": P("tp", None),
+                 "w_gate": P(None, "tp"), "w_up": P(None, "tp"), "w_down": P("tp", None),
+                 "router": P(None, None), "e_gate": P("ep", None, None), "e_up": P("ep", None, None),
+                 "e_down": P("ep", None, None), "embed": P("tp", None), "head": P(None, "tp")}
+
+
+def zero_spec(name: str, spec: P, shape: tuple, plan: Plan) -> P:
+    """Shard a weight over the data-parallel group on its first free dimension that divides evenly
+    (expert weights, already split over "ep", over "dp" only); unchanged when none does."""
+    group = ("dp",) if name.startswith("e_") else BATCH
+    size = plan.dp // plan.ep if name.startswith("e_") else plan.dp
+    if size == 1:
+        return spec
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (dim, ax) in enumerate(zip(shape, parts)):
+        if ax is None and dim % size == 0:
+            parts[i] = group if len(group) > 1 else group[0]
+            return P(*parts)
+    return spec
+
+
+def _prefix(plan: Plan) -> tuple:
+    return ("pp", None) if plan.pp > 1 else (None,)
+
+
+def param_specs(params: dict, plan: Plan, zero: bool) -> dict:
+    """Specs of the stored parameter pytree (layers stacked [L] or [pp, L/pp])."""
+    pre = _prefix(plan)
+
+    def one(name, arr, stacked):
+        base = _WEIGHT_SPECS[name]
+        n = len(pre) if stacked else 0
+        spec = P(*pre, *base) if stacked else base
+        if zero:
+            inner = zero_spec(name, base, arr.shape[n:], plan)
+            spec = P(*pre, *inner) if stacked else inner
+        return spec
+
+    out = {k: one(k, v, False) for k, v in params.items() if k != "layers"}
+    out["layers"] = {k: one(k, v, True) for k, v in params["layers"].items()}
+    return out
+
+
+def stack_for_pipeline(params: dict, plan: Plan) -> dict:
+    if plan.pp == 1:
+        return params
+    lay = {k: v.reshape(plan.pp, v.shape[0] // plan.pp, *v.shape[1:]) for k, v in params["layers"].items()}
+    return {**params, "layers": lay}
+
+
+def unstack_pipeline(params: dict) -> dict:
+    lay = {k: v.reshape(-1, *v.shape[2:]) if v.ndim >= 2 and _is_pp(params) else v
+           for k, v in params["layers"].items()}
+    return {**params, "layers": lay}
+
+
+def _is_pp(params) -> bool:
+    return params["layers"]["attn_norm"].ndim == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# The sharded model and its training step
+# ------------------------------------------------------------------------------------------------
+
+class ShardedModel:
+    """Holds the mesh, the specs and the jitted init / train step of one RunShape."""
+
+    def __init__(self, shape: RunShape, devices):
+        reason = unsupported_reason(shape)
+        if reason:
+            raise ValueError(reason)
+        self.shape, self.plan, self.dm = shape, shape.plan, shape.dims
+        self.mesh = make_mesh(shape.plan, devices)
+        self.cdt = jnp.dtype(shape.compute_dtype)
+        self.act = activation_specs(shape.plan.sp)
+        abstract = jax.eval_shape(lambda k: stack_for_pipeline(M.init_params(self.dm, k), self.plan),
+                                  jax.random.key(0))
+        z = shape.plan.zero
+        self.compute_specs = param_specs(abstract, self.plan, zero=False)
+        self.master_specs = param_specs(abstract, self.plan, zero=z >= 1)
+        self.grad_specs = param_specs(abstract, self.plan, zero=z >= 2)
+        self.state_specs = {"master": self.master_specs, "m": self.master_specs, "v": self.master_specs,
+                            "step": P()}
+        if z < 3:
+            self.state_specs["params"] = self.compute_specs
+        self.data_spec = P(None, BATCH, "cp")          # [micro-batches, dp*mbs, s]
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _ns(self, spec):
+        return NamedSharding(self.mesh, spec)
+
+    def _tree_ns(self, specs):
+        return jax.tree.map(self._ns, specs, is_leaf=lambda x: isinstance(x, P))
+
+    def wsc(self, x, spec: P):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def shard(self, x, kind):
+        return self.wsc(x, self.act[kind])
+
+    def _constrain_tree(self, tree, specs):
+        return jax.tree.map(lambda x, s: self.wsc(x, s), tree, specs, is_leaf=lambda x: isinstance(x, P))
+
+    def _layer_cast(self):
+        """Stored per-layer weights -> compute weights (cast; ZeRO-3: all-gather to the TP spec)."""
+        specs = {k: _WEIGHT_SPECS[k] for k in M.layer_param_shapes(self.dm)}
+        cdt = self.cdt
+        if self.plan.zero >= 3:
+            return lambda p: {k: self.wsc(v.astype(cdt), specs[k]) for k, v in p.items()}
+        return lambda p: {k: v.astype(cdt) for k, v in p.items()}
+
+    def _ring_attention(self):
+        """CP > 1: ring attention over "cp" (K/V blocks passed with ppermute), else None (plain attention)."""
+        if self.plan.cp == 1:
+            return None
+        spec = P(BATCH, "cp", "tp", None)
+        fn = partial(M.ring_attention_block, axis="cp", axis_size=self.plan.cp)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(spec, spec, spec), out_specs=spec)
+
+    def _moe_dispatch(self):
+        if not self.dm.is_moe:
+            return None
+        dm = self.dm
+        tok = P(BATCH, ("cp", "tp"), None)
+        wsp = P("ep", None, None)
+
+        def exchange(buf, run):
+            buf = jax.lax.all_to_all(buf, "ep", 0, 1, tiled=True)     # [E, C, h] -> [E/ep, ep*C, h]
+            out = run(buf)
+            return jax.lax.all_to_all(out, "ep", 1, 0, tiled=True)    # back to [E, C, h]
+
+        def local(x, router, eg, eu, ed):
+            b, s, h = x.shape
+            y = M.moe_tokens(x.reshape(b * s, h), router, eg, eu, ed, num_experts=dm.num_experts,
+                             top_k=dm.top_k, exchange=exchange)
+            return y.reshape(b, s, h)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(tok, P(), wsp, wsp, wsp), out_specs=tok)
+
+    # -- forward / loss --------------------------------------------------------------------------
+    def _stack_fn(self):
+        positions = jnp.arange(self.shape.seq_len)
+        return partial(M.layers_scan, positions=positions, dm=self.dm, shard=self.shard,
+                       recompute=self.shape.recompute, moe_dispatch=self._moe_dispatch(),
+                       cast=self._layer_cast(), attention=self.shape.attention,
+                       attention_fn=self._ring_attention())
+
+    def _outer(self, weights):
+        """Embedding, final norm and head weights in the compute dtype and their TP specs."""
+        out = {}
+        for k, v in weights.items():
+            if k != "layers":
+                out[k] = self.wsc(v.astype(self.cdt), _WEIGHT_SPECS[k])
+        return out
+
+    def micro_batch_loss(self, weights, tokens, targets):
+        """Loss of one micro-batch without pipelining: tokens [dp*mbs, s]."""
+        outer = self._outer(weights)
+        x = M.embed(tokens, outer, self.shard, self.cdt)
+        x = self._stack_fn()(x, weights["layers"])
+        return M.head_loss(x, targets, outer, self.shard, self.cdt)
+
+    def pipeline_loss(self, weights, tokens, targets):
+        """GPipe over "pp": tokens [m, dp*mbs, s]; mean loss over the m micro-batches."""
+        pp, m = self.plan.pp, tokens.shape[0]
+        outer = self._outer(weights)
+        x_in = jax.vmap(lambda t: M.embed(t, outer, self.shard, self.cdt))(tokens)     # [m, b, s, h]
+        pad = jnp.zeros((pp - 1, *x_in.shape[1:]), x_in.dtype)
+        feed = jnp.concatenate([x_in, pad], axis=0)
+        stage = jax.vmap(self._stack_fn(), spmd_axis_name="pp")
+        buf_spec = P("pp", *self.act["hidden"])
+
+        def tick(buf, x_t):
+            buf = self.wsc(buf.at[0].set(x_t), buf_spec)
+            out = self.wsc(stage(buf, weights["layers"]), buf_spec)
+            return jnp.roll(out, 1, axis=0), out[pp - 1]
+
+        buf0 = self.wsc(jnp.zeros((pp, *x_in.shape[1:]), x_in.dtype), buf_spec)
+        _, outs = jax.lax.scan(tick, buf0, feed)
+        outs = outs[pp - 1:]
+        losses = jax.vmap(lambda x, t: M.head_loss(x, t, outer, self.shard, self.cdt))(outs, targets)
+        return jnp.mean(losses)
+
+    def loss_and_grads(self, weights, tokens, targets):
+        """Mean loss over the step's micro-batches and the fp32 gradient (accumulated in the
+        gradient spec: replicated over DP, or sharded with ZeRO-2/3)."""
+        if self.plan.pp > 1:
+            loss, g = jax.value_and_grad(self.pipeline_loss)(weights, tokens, targets)
+            return loss, self._constrain_tree(jax.tree.map(lambda x: x.astype(jnp.float32), g), self.grad_specs)
+        m = tokens.shape[0]
+        acc0 = self._constrain_tree(jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights),
+                                    self.grad_specs)
+
+        def body(carry, batch):
+            loss_sum, acc = carry
+            loss, g = jax.value_and_grad(self.micro_batch_loss)(weights, *batch)
+            acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32) / m, acc, g)
+            return (loss_sum + loss / m, self._constrain_tree(acc, self.grad_specs)), None
+
+        (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), acc0), (tokens, targets))
+        return loss, grads
+
+    def train_step(self, state, tokens, targets):
+        weights = state["master"] if self.plan.zero >= 3 else state["params"]
+        loss, grads = self.loss_and_grads(weights, tokens, targets)
+        grads = self._constrain_tree(grads, self.master_specs)
+        step = state["step"] + 1
+        master, mom, vel = adamw(state["master"], state["m"], state["v"], grads, step, self.shape.learning_rate)
+        new = {"master": master, "m": mom, "v": vel, "step": step}
+        if self.plan.zero < 3:
+            new["params"] = self._constrain_tree(jax.tree.map(lambda w: w.astype(self.cdt), master),
+                                                 self.compute_specs)
+        return new, {"loss": loss, "grads": grads}
+
+    # -- jitted entry points -----------------------------------------------------------------------
+    def _state_from(self, params: dict) -> dict:
+        st = stack_for_pipeline(params, self.plan)
+        out = {"master": jax.tree.map(lambda w: w.astype(jnp.float32), st),
+               "m": jax.tree.map(jnp.zeros_like, st), "v": jax.tree.map(jnp.zeros_like, st),
+               "step": jnp.zeros((), jnp.int32)}
+        if self.plan.zero < 3:
+            out["params"] = jax.tree.map(lambda w: w.astype(self.cdt), st)
+        return out
+
+    def init_state(self, params: dict):
+        """Sharded state from given fp32 params (the reference model's, in the equivalence tests)."""
+        return jax.jit(self._state_from, out_shardings=self._tree_ns(self.state_specs))(params)
+
+    def init_state_random(self, seed: int = 0):
+        """State initialised on the devices, already sharded (no host copy of the full model)."""
+        build = lambda key: self._state_from(M.init_params(self.dm, key))   # noqa: E731
+        return jax.jit(build, out_shardings=self._tree_ns(self.state_specs))(jax.random.key(seed))
+
+    def abstract_inputs(self):
+        """(state, tokens, targets) as sharded ShapeDtypeStructs: lower and compile without allocating."""
+        st = jax.eval_shape(self._state_from, jax.eval_shape(lambda k: M.init_params(self.dm, k), jax.random.key(0)))
+        shard = self._tree_ns(self.state_specs)
+        state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), st, shard)
+        m, b = self.shape.num_micro_batches, self.plan.dp * self.plan.mbs
+        data = jax.ShapeDtypeStruct((m, b, self.shape.seq_len), jnp.int32, sharding=self._ns(self.data_spec))
+        return state, data, data
+
+    def jitted_step(self, with_grads: bool = False):
+        data = self._ns(self.data_spec)
+        out_metrics = {"loss": self._ns(P())}
+        if with_grads:
+            out_metrics["grads"] = self._tree_ns(self.master_specs)
+
+        def fn(state, tokens, targets):
+            new, met = self.train_step(state, tokens, targets)
+            return new, {k: met[k] for k in out_metrics}
+
+        return jax.jit(fn, in_shardings=(self._tree_ns(self.state_specs), data, data),
+                       out_shardings=(self._tree_ns(self.state_specs), out_metrics), donate_argnums=(0,))
+
+    def split_batch(self, tokens, targets):
+        """[global_batch, s] -> [micro-batches, dp*mbs, s], placed on the mesh. Micro-batch j holds
+        every DP rank's j-th micro-batch (rank r gets rows r*mbs*m + j*mbs ...)."""
+        p, m = self.plan, self.shape.num_micro_batches
+
+        def split(a):
+            a = a.reshape(p.dp, m, p.mbs, a.shape[-1]).transpose(1, 0, 2, 3)
+            return a.reshape(m, p.dp * p.mbs, a.shape[-1])
+        data = self._ns(self.data_spec)
+        return jax.device_put(split(tokens), data), jax.device_put(split(targets), data)
+
+
+def adamw(master, m, v, grads, step, lr):
+    """AdamW with bias correction (Loshchilov & Hutter 2019, Algorithm 2); decoupled weight decay
+    on weight matrices, not on norm weights (as Megatron's get_param_groups)."""
+    t = step.astype(jnp.float32)
+    c1, c2 = 1 - ADAM_B1 ** t, 1 - ADAM_B2 ** t
+
+    def one(path, w, m_, v_, g):
+        m2 = ADAM_B1 * m_ + (1 - ADAM_B1) * g
+        v2 = ADAM_B2 * v_ + (1 - ADAM_B2) * g * g
+        upd = (m2 / c1) / (jnp.sqrt(v2 / c2) + ADAM_EPS)
+        name = str(getattr(path[-1], "key", ""))
+        decay = 0.0 if name.endswith("norm") else WEIGHT_DECAY * w
+        return w - lr * (upd + decay), m2, v2
+
+    out = jax.tree_util.tree_map_with_path(one, master, m, v, grads)
+    pick = lambda i: jax.tree.map(lambda t3: t3[i], out, is_leaf=lambda x: isinstance(x, tuple))  # noqa: E731
+    return pick(0), pick(1), pick(2)
