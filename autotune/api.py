@@ -1,101 +1,61 @@
-"""The Python API that the CLI and CI scripts call: build a problem, search, predict, validate.
-
-JAX is imported by the functions that score (search, predict_plan, load_params, validate), not by
-this module, so building and checking a problem (and every bad-input error) stays fast."""
+"""The Python API that the CLI and CI scripts call: build a problem, search, predict, validate."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+from costmodels.params import EfficiencyParams
 from costmodels.plan import Plan, parse_plan_text
-from costmodels.presets import build_cluster, load_model
-from costmodels.specs import (AttentionBackend, DispatcherType, Framework, FrameworkSpec, JobSpec, Precision,
-                              SpecError)
+from costmodels.specs import SpecError
+from search_spaces.optuna_space import GpuRange
 from search_spaces.space import Problem, check_plan, complete_plan
 
-if TYPE_CHECKING:
-    from costmodels.params import EfficiencyParams
+from .optuna_search import exhaustive_range, optuna_search
 
-    from .search import SearchResult
-
-#: default tokens per optimizer step when --global-batch is omitted (Llama 3 / GPT-3 scale: ~4M)
-DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
-
-
-def build_problem(*, model: str, gpu: str | None = None, gpus: int | None = None,
-                  global_batch: int | None = None, seq_len: int | None = None,
-                  precision: str = "bf16", gpus_per_node: int | None = None,
-                  intra_node_bw: float | None = None, inter_node_bw: float | None = None,
-                  cluster_file: str | None = None, framework: dict | FrameworkSpec | None = None) -> Problem:
-    """Model preset or config.json + GPU preset (+ overrides or cluster file) + job -> Problem.
-
-    `framework` holds Megatron-Core options (FrameworkSpec field names; values may be the CLI's
-    strings); omitted ones keep Megatron's defaults."""
-    spec = load_model(model)
-    cluster = build_cluster(gpu=gpu, num_gpus=gpus, gpus_per_node=gpus_per_node,
-                            intra_node_bw_gbps=intra_node_bw, inter_node_bw_gbps=inter_node_bw,
-                            cluster_file=cluster_file)
-    prec = Precision.parse(precision, "precision")
-    if cluster.gpu.peak_flops(prec) <= 0:
-        raise SpecError("precision", f"{cluster.gpu.name} has no {prec.value} tensor cores; "
-                        f"use bf16{' or fp8' if cluster.gpu.peak_flops_fp8 else ''}")
-    seq = seq_len if seq_len is not None else min(spec.max_seq_len, 8192)
-    if global_batch is None:
-        global_batch = max(1, DEFAULT_TOKENS_PER_STEP // max(seq, 1))
-    fw = framework if isinstance(framework, FrameworkSpec) else framework_spec(**(framework or {}))
-    job = JobSpec(global_batch=global_batch, seq_len=seq, precision=prec, framework=fw)
-    return Problem(spec, cluster, job)
+from .measurements import load_params  # noqa: F401 (the API)
+from .problem import DEFAULT_TOKENS_PER_STEP, build_problem, framework_spec, plan_from_text  # noqa: F401 (the API)
+from .search import SearchResult, exhaustive, predict
+from .study_spec import StudySpec
 
 
-def framework_spec(*, framework: str | None = None, attention_backend: str | None = None,
-                   tp_comm_overlap: bool | None = None, grad_reduce_in_fp32: bool | None = None,
-                   fp8_param_gather: bool | None = None, overlap_grad_reduce: bool | None = None,
-                   overlap_param_gather: bool | None = None,
-                   moe_token_dispatcher_type: str | None = None) -> FrameworkSpec:
-    """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
-    given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
-                                   fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
-                                   overlap_param_gather=overlap_param_gather).items() if v is not None}
-    if framework is not None:
-        given["framework"] = Framework.parse(framework)
-    if attention_backend is not None:
-        given["attention_backend"] = AttentionBackend.parse(attention_backend)
-    if moe_token_dispatcher_type is not None:
-        given["moe_token_dispatcher_type"] = DispatcherType.parse(moe_token_dispatcher_type)
-    return FrameworkSpec(**given)
+@dataclass(frozen=True, kw_only=True)
+class OptunaRun:
+    """How long an Optuna search runs and where its study lives (`search(..., strategy="optuna")`)."""
+    n_trials: int | None = 300
+    timeout_s: float | None = None
+    storage_url: str | None = None
+    study_name: str | None = None
+    seed_best: bool = True          # start a new study from the exhaustive table's best plan
 
 
-def load_params(calibration: str | None, gpu: str | None = None) -> tuple[EfficiencyParams, str]:
-    """Efficiency parameters: a calibration file if given, else the shipped defaults. With `gpu`,
-    a file fitted for another GPU is refused (one-line SpecError naming the fix)."""
-    from costmodels.params import EfficiencyParams
-
-    from .measurements import calibration_for_gpu, read_calibration
-    if not calibration:
-        return EfficiencyParams(), "defaults"
-    if gpu is not None:
-        return calibration_for_gpu(calibration, gpu)
-    return read_calibration(calibration)[0], calibration
-
-
-def plan_from_text(text: str, problem: Problem) -> Plan:
-    """Parse --plan, fill omitted knobs with defaults (dp from the GPU count), check legality."""
-    plan = complete_plan(parse_plan_text(text), problem)
-    check_plan(plan, problem)
-    return plan
-
-
-def search(problem: Problem, *, strategy: str = "exhaustive", top_k: int = 10,
+def search(problem: Problem | StudySpec, *, strategy: str = "exhaustive", top_k: int = 10,
            memory_limit_gb: float | None = None, params: EfficiencyParams | None = None,
-           fixed: dict | None = None) -> SearchResult:
-    from .search import exhaustive
-    if strategy != "exhaustive":
-        raise SpecError("strategy", f"unknown strategy {strategy!r}; choose exhaustive")
+           fixed: dict | None = None, run: OptunaRun | None = None, progress=None,
+           space=None) -> SearchResult:
+    """The one search entry point (the CLI calls it for every strategy).
+
+    `problem` is a Problem (one GPU count, exhaustive) or a StudySpec (the problem by names, a GPU
+    count or range, objectives and sampler): `exhaustive` scores every legal plan (of every count of
+    a range), `optuna` runs or resumes a study (`run`: trials, timeout, storage, study name)."""
+    if strategy not in ("exhaustive", "optuna"):
+        raise SpecError("strategy", f"unknown strategy {strategy!r}; choose exhaustive or optuna")
+    if isinstance(problem, StudySpec):
+        if strategy == "optuna":
+            run = run or OptunaRun()
+            return optuna_search(problem, n_trials=run.n_trials, timeout_s=run.timeout_s,
+                                 storage_url=run.storage_url, study_name=run.study_name, top_k=top_k,
+                                 progress=progress, space=space, seed_best=run.seed_best)
+        if isinstance(problem.gpu_spec(), GpuRange):
+            return exhaustive_range(problem, top_k=top_k, space=space)
+        spec = problem.resolved()
+        problem, fixed, memory_limit_gb = spec.build_space().problem(spec.counts()[0]), spec.fixed, spec.memory_limit_gb
+        params = params or spec.params()
+    elif strategy == "optuna":
+        raise SpecError("strategy", "an Optuna search takes a StudySpec (the problem by names, objectives, sampler)")
     return exhaustive(problem, params, top_k=top_k, memory_limit_gb=memory_limit_gb, fixed=fixed)
 
 
 def predict_plan(problem: Problem, plan: Plan, *, memory_limit_gb: float | None = None,
                  params: EfficiencyParams | None = None) -> dict:
-    from .search import predict
     return predict(problem, plan, params, memory_limit_gb)
 
 

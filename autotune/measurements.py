@@ -315,8 +315,9 @@ def calibrate_megatron_log(path: str, *, model: str, gpu: str, gpus: int | None 
     from the log's argument dump when it has one (a flag given too must agree with it), the plan from
     its parallelism arguments unless --plan is given; the fit is `calibrate_from_log`. The result's
     `memory_warning` says when the log's peak memory disagrees with the plan's predicted memory."""
-    from . import api
     from .export import plan_from_megatron_args
+    from .problem import build_problem, plan_from_text
+    from .search import predict
 
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -338,26 +339,36 @@ def calibrate_megatron_log(path: str, *, model: str, gpu: str, gpus: int | None 
     if global_batch is None:
         gbs = [i["global_batch"] for i in parsed["iterations"] if "global_batch" in i]
         global_batch = job.get("global_batch", gbs[-1] if gbs else None)
-    problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch,
-                                seq_len=seq_len if seq_len is not None else job.get("seq_len"), precision=precision,
-                                gpus_per_node=gpus_per_node)
+    problem = build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch,
+                            seq_len=seq_len if seq_len is not None else job.get("seq_len"), precision=precision,
+                            gpus_per_node=gpus_per_node)
     if plan:
-        the_plan = api.plan_from_text(plan, problem)
+        the_plan = plan_from_text(plan, problem)
         for knob in ("tp", "pp", "dp", "cp"):
             if knob in job and getattr(the_plan, knob) != job[knob]:
                 raise SpecError(f"plan.{knob}", f"--plan has {knob}={getattr(the_plan, knob)}, but the log ran with "
                                 f"{knob}={job[knob]}")
     elif job["args"]:
-        the_plan = api.plan_from_text(str(plan_from_megatron_args(job["args"], gpus, problem.model.num_layers,
-                                                                  problem.model.is_moe)), problem)
+        the_plan = plan_from_text(str(plan_from_megatron_args(job["args"], gpus, problem.model.num_layers,
+                                                              problem.model.is_moe)), problem)
         read.append("plan")
     else:
         raise SpecError("plan", f"{path} has no argument dump to read the plan from; give --plan")
     doc = calibrate_from_log(problem, the_plan, parsed, steps=steps, log_path=path)
     doc["fit"]["read_from_log"] = read
-    predicted = api.predict_plan(problem, the_plan)["memory_gb"]["total"]
+    predicted = predict(problem, the_plan)["memory_gb"]["total"]
     peak = peak_memory_gb(parsed)
     doc["fit"]["memory"] = {"predicted_gb": predicted, "log_peak_gb": peak[0] if peak else None,
                             "log_figure": peak[1] if peak else None}
     doc["memory_warning"] = memory_warning(parsed, predicted)
     return doc
+
+
+def load_params(calibration: str | None, gpu: str | None = None) -> tuple[EfficiencyParams, str]:
+    """Efficiency parameters: a calibration file if given, else the shipped defaults. With `gpu`,
+    a file fitted for another GPU is refused (one-line SpecError naming the fix)."""
+    if not calibration:
+        return EfficiencyParams(), "defaults"
+    if gpu is not None:
+        return calibration_for_gpu(calibration, gpu)
+    return read_calibration(calibration)[0], calibration

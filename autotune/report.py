@@ -201,19 +201,3 @@ def save_report(report: dict, out_dir: str) -> tuple[str, str]:
     json_path = write_text_atomic(base + ".json", dumps_json(report) + "\n", "out", exclusive=True)
     md_path = write_text_atomic(json_path[:-len(".json")] + ".md", render_markdown(report), "out")
     return json_path, md_path
-
-
-def add_sensitivity(report: dict, problem: Problem, params, memory_limit_gb: float | None = None) -> dict:
-    """Add the best plan's elasticities (jax.jacfwd through the cost model) and their sentences to a
-    search report, as the "sensitivity" key and a Markdown section."""
-    from costmodels.plan import Plan
-
-    from .sensitivity import sensitivity
-
-    sens = sensitivity(problem, Plan.from_dict(report["best"]["plan"]), params, memory_limit_gb=memory_limit_gb,
-                       neighbours=False)
-    report["sensitivity"] = {"elasticities": sens["elasticities"], "sentences": sens["sentences"]}
-    md = "What limits the best plan, and what would help (elasticities from jax.jacfwd):\n\n" + \
-        "\n".join(f"- {s}" for s in sens["sentences"])
-    report.setdefault("sections", []).append({"title": "Sensitivity", "markdown": md})
-    return report

@@ -244,3 +244,15 @@ def sensitivity(problem: Problem, plan: Plan, params: EfficiencyParams | None = 
                 + (" (this plan is a local optimum)" if best["step_time_change_pct"] >= 0 else ""))
     result["elapsed_s"] = time.perf_counter() - t0
     return result
+
+
+def add_sensitivity(report: dict, problem: Problem, params, memory_limit_gb: float | None = None) -> dict:
+    """Add the best plan's elasticities (jax.jacfwd through the cost model) and their sentences to a
+    search report, as the "sensitivity" key and a Markdown section."""
+    sens = sensitivity(problem, Plan.from_dict(report["best"]["plan"]), params, memory_limit_gb=memory_limit_gb,
+                       neighbours=False)
+    report["sensitivity"] = {"elasticities": sens["elasticities"], "sentences": sens["sentences"]}
+    md = "What limits the best plan, and what would help (elasticities from jax.jacfwd):\n\n" + \
+        "\n".join(f"- {s}" for s in sens["sentences"])
+    report.setdefault("sections", []).append({"title": "Sensitivity", "markdown": md})
+    return report

@@ -201,7 +201,7 @@ def case_from_row(row: dict) -> RowCase:
         # their delayed-scaling and MXFP8 recipes gather fp8 primary weights (mixed_precision.py)
         fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row))
     if isinstance((row.get("run") or {}).get("framework"), dict):    # a run that states its framework options
-        from .api import framework_spec                                 # (autotune verify's records)
+        from .problem import framework_spec                               # (autotune verify's records)
         framework = framework_spec(**row["run"]["framework"])
     job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision,
                   framework=framework)

@@ -104,7 +104,7 @@ def choose_run(problem: Problem, plan: Plan, n_devices: int, *, proxy: bool = Fa
 
 def run_problem(problem: Problem, choice: RunChoice, attention_backend: AttentionBackend) -> Problem:
     """The problem the run solves (its layers, devices, batch, attention kernel), for the cost model."""
-    from .api import framework_spec
+    from .problem import framework_spec
     fw = framework_spec(attention_backend=attention_backend.value, **RUN_FRAMEWORK)
     job = dataclasses.replace(problem.job, global_batch=choice.global_batch, framework=fw)
     cluster = dataclasses.replace(problem.cluster, num_gpus=choice.num_devices, num_sites=1)

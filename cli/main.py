@@ -174,14 +174,15 @@ def search(
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     from autotune import api
     from autotune.files import check_writable_folder
-    from autotune.report import add_sensitivity, save_report, search_report
+    from autotune.report import save_report, search_report
+    from autotune.sensitivity import add_sensitivity
 
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
                            moe_token_dispatcher_type)
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
-    given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed, objective,
+    given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed,
                                                                       storage, study, batch_size)) if value is not None]
     problem = None
     if gpu_count is None or isinstance(gpu_count, int):      # check the input before importing JAX/Optuna
@@ -193,7 +194,7 @@ def search(
                                 count_legal=lambda: optuna_cmds.legal_count(problem or _problem(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
                                     intra_node_bw, inter_node_bw, cluster, fw)))
-    if choice.strategy == "optuna":
+    if choice.strategy == "optuna" or isinstance(gpu_count, optuna_cmds.GpuRange):
         verify_cmds.refuse_with_optuna(verify_top)
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,

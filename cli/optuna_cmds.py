@@ -10,9 +10,11 @@ prints what was found and exits 130. A storage URL's password is never printed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
-from typing import TYPE_CHECKING, Annotated, Callable, Optional
+import sys
+from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -20,23 +22,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOTHING_FITS, EXIT_OK, error_line as _error_line
-from cli.common import print_json as _print_json, print_plans, print_table, stdout_console as _console
+from autotune import api
+from autotune import optuna_search as osr
+from autotune.plots import save_pareto_html
+from autotune.report import extras_text, report_basename, save_report, search_report, uses_extras
+from autotune.search import NothingFits
+from autotune.sensitivity import add_sensitivity
+from autotune.storage import redact_url
+from autotune.studies import export_study, list_studies, show_study
+from cli.export_cmds import export_exit, finish_report, print_plan_lines
 from cli.options import JsonOpt
 from costmodels.specs import SpecError
+from search_spaces.optuna_space import GpuRange, parse_gpus
 
-if TYPE_CHECKING:                      # imported inside the functions: JAX and Optuna load slowly
-    from autotune import optuna_search as osr
-    from search_spaces.optuna_space import GpuRange
-
-
-def _osr():
-    from autotune import optuna_search
-    return optuna_search
+EXIT_OK, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 3, 130
 
 #: search options that only Optuna uses; giving one makes `--strategy auto` pick Optuna
-OPTUNA_OPTIONS = ("--trials", "--timeout", "--sampler", "--seed", "--objective", "--storage", "--study",
-                  "--batch-size")
+#: (--objective is not one: an exhaustive range search takes one or two objectives)
+OPTUNA_OPTIONS = ("--trials", "--timeout", "--sampler", "--seed", "--storage", "--study", "--batch-size")
 
 StorageOpt = Annotated[Optional[str], typer.Option(
     "--storage", help="Optuna storage: sqlite:///FILE, journal:FILE, postgresql://USER:PASSWORD@HOST/DB "
@@ -45,7 +48,24 @@ StudyOpt = Annotated[Optional[str], typer.Option("--study", help="Study name in 
 TrialsOpt = Annotated[Optional[int], typer.Option("--trials", help="Trials to run (this worker's share).")]
 TimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Stop after this many seconds.")]
 BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", help="Trials asked and scored together.")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, max=2 ** 32 - 1, help="Sampler seed (same seed, same trials).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampler seed (same seed, same trials).")]
+
+
+def _print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _console() -> Console:
+    con = Console(highlight=False)
+    if not con.is_terminal:
+        con = Console(highlight=False, width=max(con.width, 200))
+    return con
+
+
+def _error_line(message: str) -> None:
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    sys.stderr.flush()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -67,7 +87,6 @@ def parse_search_gpus(text: Optional[str]) -> int | GpuRange | None:
     if not re.fullmatch(r"\d{1,9}\s*-\s*\d{1,9}(\s*:\s*\w{1,9})?", s):     # a range, or refused here
         raise SpecError("--gpus", f"expected a GPU count (512) or a range (256-2048, 256-2048:64, "
                         f"256-2048:pow2), got {s[:20]!r}")
-    from search_spaces.optuna_space import parse_gpus
     parsed = parse_gpus(s, "--gpus")
     check_size("gpus", getattr(parsed, "high", parsed))
     return parsed
@@ -79,17 +98,23 @@ def legal_count(problem) -> int:
     return count_legal(problem).legal
 
 
+#: the choice for a GPU range under `auto`, made final by `run_optuna_search` once the range is counted
+RANGE_PENDING = "the GPU count is a range"
+
+
 def choose(strategy: str, *, gpus, objectives, optuna_options: list[str],
            count_legal: Callable[[], int]) -> osr.StrategyChoice:
     """Which strategy `search` runs, and why (`--strategy auto` is the default)."""
     req = str(strategy).strip().lower()
     if req == "exhaustive" and optuna_options:
         raise SpecError(optuna_options[0], "applies to --strategy optuna or auto, not exhaustive")
-    from search_spaces.optuna_space import GpuRange
-    if req == "auto" and optuna_options and not isinstance(gpus, GpuRange):
-        _osr().choose_strategy("optuna", gpus=gpus, objectives=objectives)      # checks the arguments
-        return _osr().StrategyChoice("optuna", f"Optuna options given ({', '.join(optuna_options)})")
-    return _osr().choose_strategy(req, gpus=gpus, objectives=objectives, count_legal=count_legal)
+    if req == "auto" and optuna_options:
+        osr.choose_strategy("optuna", gpus=gpus, objectives=objectives)      # checks the arguments
+        return osr.StrategyChoice("optuna", f"Optuna options given ({', '.join(optuna_options)})")
+    if isinstance(gpus, GpuRange):
+        chosen = osr.choose_strategy(req, gpus=gpus, objectives=objectives, count_legal=lambda: 0)
+        return chosen if req != "auto" or chosen.strategy == "optuna" else osr.StrategyChoice("auto", RANGE_PENDING)
+    return osr.choose_strategy(req, gpus=gpus, objectives=objectives, count_legal=count_legal)
 
 
 class _ProgressBar:
@@ -125,12 +150,23 @@ class _ProgressBar:
         return None
 
 
-def _print_plans(con, reports: list, title: str = "Best plans found") -> None:
-    print_plans(con, reports, title, lead=(("trial", "trial"), ("GPUs", "num_gpus")), fits_column=False)
+def _plans_table(reports: list, title: str = "Best plans found") -> Table:
+    table = Table(title=title, title_justify="left")
+    extras = uses_extras(reports)
+    for col in ("#", "trial", "GPUs", "TP", "PP", "DP", "CP", "EP", "VPP", "MBS", "recompute", "SP", "ZeRO",
+                "step (s)", "tokens/s/GPU", "MFU", "mem GB") + (("stages / block recompute",) if extras else ()):
+        table.add_column(col, justify="left" if col in ("recompute", "SP", "stages / block recompute") else "right")
+    for i, r in enumerate(reports, 1):
+        p = r["plan"]
+        table.add_row(str(i), str(r.get("trial", "")), str(r.get("num_gpus", "")), str(p["tp"]), str(p["pp"]),
+                      str(p["dp"]), str(p["cp"]), str(p["ep"]), str(p["vpp"]), str(p["mbs"]), str(p["recompute"]),
+                      "on" if p["sp"] else "off", str(p["zero"]), f"{r['step_time_s']:.3f}",
+                      f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}", f"{r['memory_gb']['total']:.1f}",
+                      *((extras_text(p) or "-",) if extras else ()))
+    return table
 
 
 def _pareto_table(front: list, objectives: list) -> Table:
-    from autotune.report import plan_text
     table = Table(title="Pareto front (feasible trials no other trial beats on every objective)",
                   title_justify="left")
     for col in ["#", "trial"] + [f"{o['name']} ({o['direction'][:3]})" for o in objectives] + ["plan"]:
@@ -138,8 +174,10 @@ def _pareto_table(front: list, objectives: list) -> Table:
     for i, f in enumerate(front, 1):
         p = f["plan"]
         vals = [_fmt(f["values"][o["name"]]) for o in objectives]
-        table.add_row(str(i), str(f["trial"]), *vals,
-                      plan_text(p))
+        table.add_row(str(i), str(f.get("trial", "")), *vals,
+                      f"tp{p['tp']} pp{p['pp']} dp{p['dp']} cp{p['cp']} ep{p['ep']} vpp{p['vpp']} mbs{p['mbs']} "
+                      f"{p['recompute']} sp={'on' if p['sp'] else 'off'} zero{p['zero']}"
+                      + (f" ({extras_text(p)})" if extras_text(p) else ""))
     return table
 
 
@@ -148,40 +186,35 @@ def _fmt(v: float) -> str:
 
 
 def _markdown_section(report: dict) -> str:
-    o = report["optuna"]
-    lines = [f"Sampler {o['sampler']} (seed {o['seed']}), {o['n_trials']} trials ({o['n_feasible']} feasible) "
-             f"in study `{o['study']}` of storage `{o['storage']}`; objectives "
-             + ", ".join(f"{x['name']} ({x['direction']})" for x in o["objectives"]) + "."]
+    o = report.get("optuna") or report["range"]
+    objectives = ", ".join(f"{x['name']} ({x['direction']})" for x in o["objectives"])
+    if "optuna" in report:
+        lines = [f"Sampler {o['sampler']} (seed {o['seed']}), {o['n_trials']} trials ({o['n_feasible']} feasible) "
+                 f"in study `{o['study']}` of storage `{o['storage']}`; objectives {objectives}."]
+    else:
+        lines = [f"Every legal plan of every GPU count of {o['gpus']} scored; objectives {objectives}."]
     front = o.get("pareto_front")
     if front:
         names = [x["name"] for x in o["objectives"]]
         lines += ["", "| # | trial | " + " | ".join(names) + " | plan |",
                   "|---|---|" + "---|" * len(names) + "---|"]
         for i, f in enumerate(front, 1):
-            lines.append(f"| {i} | {f['trial']} | " + " | ".join(_fmt(f["values"][n]) for n in names)
+            lines.append(f"| {i} | {f.get('trial', '')} | " + " | ".join(_fmt(f["values"][n]) for n in names)
                          + f" | {','.join(f'{k}={v}' for k, v in f['plan'].items())} |")
         if o.get("pareto_plot"):
-            lines += ["", f"![Pareto front]({o['pareto_plot']})"]
+            lines += ["", f"[Pareto front (interactive plot)]({o['pareto_plot']})"]
     return "\n".join(lines)
 
 
-def _write_plot(report: dict, points: list, out: str) -> None:
-    o = report["optuna"]
-    objs = o["objectives"]
-    if len(objs) < 2 or not o.get("pareto_front"):
+def _write_plot(report: dict, result, out: str) -> None:
+    """The Pareto front of a multi-objective study as Optuna's plotly figure (HTML) next to the report."""
+    o = report.get("optuna") or {}
+    objs = [x["name"] for x in o.get("objectives", [])]
+    if len(objs) < 2 or not o.get("pareto_front") or result.study is None:
         return
-    lab = {x["name"]: _osr().OBJECTIVES[x["name"]].label for x in objs}
-    y_name, x_name = objs[0]["name"], objs[1]["name"]
-    front = [(f["values"][x_name], f["values"][y_name]) for f in o["pareto_front"]]
-    pts = [(p[1], p[0]) for p in points]
-    title = f"{report['problem']['model']['name']}: {lab[y_name]} vs {lab[x_name]}"
-    if len(objs) > 2:
-        title += f" (front of {len(objs)} objectives)"
-    from autotune.report import report_basename
-    svg = _osr().pareto_svg(pts, front, lab[x_name], lab[y_name], title)
-    name = report_basename(report) + "_pareto.svg"
-    from autotune.files import write_text_atomic
-    write_text_atomic(os.path.join(out, name), svg, "out")
+    title = f"{report['problem']['model']['name']}: Pareto front of " + ", ".join(objs)
+    name = report_basename(report) + "_pareto.html"
+    save_pareto_html(result.study, objs, title, os.path.join(out, name))
     o["pareto_plot"] = name
 
 
@@ -196,82 +229,96 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       with_sensitivity: bool = True, framework: Optional[dict] = None,
                       export_to: str | None = None) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
-    from autotune import api
-    from autotune.report import add_sensitivity, save_report, search_report
-    from autotune.search import NothingFits
-    from cli.export_cmds import export_exit, finish_report, print_plan_lines
-    from search_spaces.optuna_space import GpuRange
     if isinstance(gpus, GpuRange) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
     else:
         gpus_text = str(int(gpus))
-    spec = _osr().StudySpec(
+    spec = osr.StudySpec(
         model=model, gpu=gpu, gpus=gpus_text, global_batch=global_batch, seq_len=seq_len, precision=precision,
         gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw,
         cluster_file=cluster, memory_limit_gb=memory_limit_gb, calibration=calibration,
         framework={k: v for k, v in (framework or {}).items() if v is not None},
-        objectives=_osr().parse_objectives(objectives or ()), sampler=sampler or _osr().DEFAULT_SAMPLER, seed=seed,
-        batch_size=_osr().DEFAULT_BATCH if batch_size is None else batch_size)
+        objectives=osr.parse_objectives(objectives or ()), sampler=sampler or osr.DEFAULT_SAMPLER, seed=seed,
+        batch_size=osr.DEFAULT_BATCH if batch_size is None else batch_size)
     if trials is None and timeout is None:
-        trials = _osr().DEFAULT_TRIALS
+        trials = osr.DEFAULT_TRIALS
+    choice = choice or osr.StrategyChoice("optuna", "requested")
+    space = None
+    if choice.reason == RANGE_PENDING:      # auto on a range: exhaustive when all its counts are small
+        resolved = spec.resolved()
+        space = resolved.build_space()
+        choice = osr.choose_strategy("auto", gpus=gpus, objectives=spec.objectives,
+                                     count_legal=lambda: osr.range_legal_count(resolved, space))
     label = f"optuna {spec.sampler}: scoring trials"
     try:
-        with _ProgressBar(trials, label, enabled=not as_json) as bar:
-            result = _osr().optuna_search(spec, n_trials=trials, timeout_s=timeout, storage_url=storage,
-                                       study_name=study, top_k=top, progress=bar)
+        with _ProgressBar(trials if choice.strategy == "optuna" else None, label,
+                          enabled=not as_json and choice.strategy == "optuna") as bar:
+            result = api.search(spec, strategy=choice.strategy, top_k=top, progress=bar, space=space,
+                                run=api.OptunaRun(n_trials=trials, timeout_s=timeout, storage_url=storage,
+                                                  study_name=study))
     except NothingFits as exc:
         if as_json:
             _print_json({"error": str(exc), "closest": exc.closest, "space": exc.space})
         _error_line(str(exc))
         return EXIT_NOTHING_FITS
-    params_source = calibration or "defaults"
-    info = result.extra["optuna"]
-    points = info.pop("pareto_points", [])
-    report = search_report(result, params_source)
-    report["strategy_choice"] = {"requested": requested, **(choice or _osr().StrategyChoice("optuna", "requested")).as_dict()}
+    report = search_report(result, calibration or "defaults")
+    report["strategy_choice"] = {"requested": requested, **choice.as_dict()}
     if with_sensitivity and getattr(result, "problem", None) is not None:
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
     finish_report(report, result.problem, export_to)
-    saved, save_error = None, None
+    saved = None
     if not no_save:
         try:
-            _write_plot(report, points, out)
-            report.setdefault("sections", []).insert(0, {"title": "Optuna", "markdown": _markdown_section(report)})
+            _write_plot(report, result, out)
+            report.setdefault("sections", []).insert(0, {"title": "Optuna" if "optuna" in report else "GPU range",
+                                                         "markdown": _markdown_section(report)})
             saved = save_report(report, out)
-        except (OSError, SpecError) as exc:        # the folder went away mid-search: print the result anyway
-            save_error = str(exc) if isinstance(exc, SpecError) else f"out: cannot write the report to {out}: {exc}"
+        except OSError as exc:
+            raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
+    info = report.get("optuna") or {}
     code = EXIT_INTERRUPTED if info.get("interrupted") else EXIT_OK
-    if save_error:
-        code = EXIT_BAD_INPUT
     if as_json:
         _print_json(report)
-        if save_error or code == EXIT_INTERRUPTED:
-            _error_line(save_error or f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
+        if code == EXIT_INTERRUPTED:
+            _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
         return code or export_exit(report)
+    _print_human(report, choice, saved, out)
+    if code == EXIT_INTERRUPTED:
+        _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
+    return code or export_exit(report)
+
+
+def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str) -> None:
     con = _console()
-    con.print(Text(f"Strategy: optuna ({report['strategy_choice']['reason']}); sampler {info['sampler']}, "
-                   f"seed {info['seed']}, batch {info['batch_size']}."))
-    _print_plans(con, report["top"])
+    info = report.get("optuna") or report.get("range") or {}
+    if "optuna" in report:
+        con.print(Text(f"Strategy: optuna ({choice.reason}); sampler {info['sampler']}, seed {info['seed']}, "
+                       f"batch {info['batch_size']}."))
+    else:
+        con.print(Text(f"Strategy: exhaustive over the GPU range ({choice.reason})."))
+    con.print(_plans_table(report["top"]))
     if info.get("pareto_front"):
-        print_table(con, _pareto_table(info["pareto_front"], info["objectives"]))
+        con.print(_pareto_table(info["pareto_front"], info["objectives"]))
     con.print()
     con.print(Text(report["explanation"]))
     con.print()
-    run = info.get("run", {})
-    con.print(Text(f"Study {info['study']} in {info['storage']}: {info['n_trials']} trials, {info['n_feasible']} "
-                   f"feasible; this run {run.get('trials', 0)} trials in {run.get('elapsed_s', 0):.2f} s "
-                   f"({run.get('wall_per_trial_ms', 0):.1f} ms per trial, {run.get('model_share', 0):.0%} in "
-                   f"the cost model){'; resumed' if info.get('resumed') else ''}."))
+    if "optuna" in report:
+        run = info.get("run", {})
+        con.print(Text(f"Study {info['study']} in {info['storage']}: {info['n_trials']} trials, {info['n_feasible']} "
+                       f"feasible; this run {run.get('trials', 0)} trials in {run.get('elapsed_s', 0):.2f} s "
+                       f"({run.get('wall_per_trial_ms', 0):.1f} ms per trial, {run.get('model_share', 0):.0%} in "
+                       f"the cost model){'; resumed' if info.get('resumed') else ''}."))
+    else:
+        sp = report["space"]
+        con.print(Text(f"{sp['legal']:,} legal plans over {sp['gpu_counts']} GPU counts, {sp['fitting']:,} fit; "
+                       f"scored in {report['elapsed_s']:.2f} s."))
     if saved:
         plot = f" and {os.path.join(out, info['pareto_plot'])}" if info.get("pareto_plot") else ""
         con.print(Text(f"Report saved to {saved[0]}, {saved[1]}{plot}"))
     else:
-        con.print(Text("Report not saved."))
+        con.print(Text("Report not saved (--no-save)."))
     print_plan_lines(con, report)
-    if save_error or code == EXIT_INTERRUPTED:
-        _error_line(save_error or f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
-    return code or export_exit(report)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -286,18 +333,15 @@ def worker(
     timeout: TimeoutOpt = None,
     batch_size: BatchOpt = None,
     seed: SeedOpt = None,
-    stale_after: Annotated[Optional[float], typer.Option("--stale-after", min=0.0, help="Fail RUNNING trials older "
-                                                         "than this many seconds (left by a dead worker; "
-                                                         "default 600).")] = None,
+    stale_after: Annotated[float, typer.Option("--stale-after", help="Fail RUNNING trials older than this "
+                                               "many seconds (left by a dead worker).")] = osr.STALE_AFTER_S,
     as_json: JsonOpt = False,
 ) -> int:
     """Run trials of a shared study: its problem comes from the study; --trials is this worker's share."""
     if trials is None and timeout is None:
         raise SpecError("--trials", "give --trials N (this worker's share) or --timeout SECONDS")
-    if stale_after is None:
-        stale_after = _osr().STALE_AFTER_S
     with _ProgressBar(trials, f"worker on {study}", enabled=not as_json) as bar:
-        out = _osr().run_worker(storage, study, n_trials=trials, timeout_s=timeout, batch_size=batch_size, seed=seed,
+        out = osr.run_worker(storage, study, n_trials=trials, timeout_s=timeout, batch_size=batch_size, seed=seed,
                              stale_after_s=stale_after, progress=bar)
     code = EXIT_INTERRUPTED if out["run"]["interrupted"] else EXIT_OK
     if as_json:
@@ -312,7 +356,7 @@ def worker(
                        f"trials{zombies}."))
         best = out.get("best")
         if best:
-            _print_plans(con, [best], title="Best plan of the study")
+            con.print(_plans_table([best], title="Best plan of the study"))
     if code == EXIT_INTERRUPTED:
         _error_line(f"interrupted: {out['run']['trials']} trials of this worker kept in study {study}")
     return code
@@ -331,7 +375,6 @@ def studies(
     as_json: JsonOpt = False,
 ) -> int:
     """List the studies of a storage, show one (--study), or export its trials (--export FILE)."""
-    from autotune.studies import export_study, list_studies, redact_url, show_study
     if export and not study:
         raise SpecError("--export", "needs --study NAME")
     if export:

@@ -22,11 +22,12 @@ from autotune import optuna_search as osr
 from autotune.api import build_problem
 from autotune.optuna_search import BatchScorer, StudySpec, optuna_search
 from autotune.search import NothingFits, exhaustive
-from autotune.studies import open_storage, redact_url, scrub
+from autotune.samplers import LegalSampler
+from autotune.storage import open_storage, redact_url, scrub
 from cli.main import app
 from costmodels.plan import PLAN_FIELDS, PlanBatch
 from costmodels.specs import SpecError
-from search_spaces.optuna_space import GPUS, GpuRange, LegalSampler, PlanSpace, parse_gpus
+from search_spaces.optuna_space import GPUS, GpuRange, PlanSpace, parse_gpus
 from search_spaces.space import check_rows, count_legal, enumerate_legal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,7 +149,7 @@ PINNED = {"zero": 1, "recompute": 0, "sp": 1, "first_layers": 0, "last_layers": 
 def test_tpe_reaches_the_exhaustive_optimum_on_a_small_space():
     problem = build_problem(**{**SMALL, "gpus": 8})
     ref = exhaustive(problem, fixed=PINNED)
-    res = optuna_search(StudySpec(**SMALL, fixed=PINNED, seed=0), n_trials=120)
+    res = optuna_search(StudySpec(**SMALL, fixed=PINNED, seed=0), n_trials=120, seed_best=False)
     assert res.best["plan"] == ref.best["plan"]
     assert res.best["step_time_s"] == pytest.approx(ref.best["step_time_s"], rel=1e-5)
     assert res.strategy == "optuna" and res.extra["optuna"]["n_trials"] == 120
@@ -188,15 +189,13 @@ def test_optuna_only_knobs_are_searched_and_beat_the_even_split():
     assert len(batch) > 150                        # the search did not just score every combination
 
 
-@pytest.mark.parametrize("model", ["gp", "linear"])
-def test_local_surrogates_rank_legal_moves_and_reach_the_optimum(model):
-    """Both local models behind the refinement moves (Gaussian processes, the default, and the
-    additive one) only ever propose legal plans and find the exhaustive optimum of a small space."""
+def test_local_moves_are_legal_and_reach_the_optimum():
+    """LegalSampler's local moves (the nearest untried neighbours of the best plans, then the pattern
+    move) only ever propose legal plans and find the exhaustive optimum of a small space."""
     spec = StudySpec(**SMALL, fixed=PINNED, seed=2).resolved()
     space = spec.build_space()
     base = optuna.samplers.TPESampler(seed=2, multivariate=True, n_startup_trials=8, constant_liar=True)
-    sampler = LegalSampler(base, space, refine=0.7, refine_after=8, refine_incumbents=3, retries=3, seed=2,
-                           surrogate=True, surrogate_model=model)
+    sampler = LegalSampler(base, space, refine=0.7, refine_after=8, incumbents=3, retries=3, seed=2)
     study = optuna.create_study(sampler=sampler, direction="minimize")
     scorer = BatchScorer(space, spec.params(), None)
     problem = space.problem(8)
@@ -206,14 +205,20 @@ def test_local_surrogates_rank_legal_moves_and_reach_the_optimum(model):
         legal, _ = check_rows({f: np.array([plan[f]]) for f in PLAN_FIELDS}, problem)
         assert legal[0]
         step, mem = scorer.score(np.array([n]), PlanBatch({f: np.array([plan[f]], dtype=np.int32) for f in PLAN_FIELDS}))
-        fits = bool(mem[0] <= scorer.limit_bytes(n))
-        trial.set_user_attr("metrics", {"memory_gb": float(mem[0]) / 1e9,
-                                        "memory_limit_gb": scorer.limit_bytes(n) / 1e9})
-        study.tell(trial, float(step[0]) if fits else float(step[0]) * 10)
+        trial.set_constraint(osr.CONSTRAINT, float(mem[0] - scorer.limit_bytes(n)) / 1e9)
+        study.tell(trial, float(step[0]))
     ref = exhaustive(build_problem(**{**SMALL, "gpus": 8}), fixed=PINNED)
-    assert study.best_value == pytest.approx(ref.best["step_time_s"], rel=1e-5)
+    best = min(t.value for t in study.trials if t.constraints[osr.CONSTRAINT] <= 0)
+    assert best == pytest.approx(ref.best["step_time_s"], rel=1e-5)
     with pytest.raises(ValueError):
-        LegalSampler(base, space, surrogate=True, surrogate_model="forest")
+        LegalSampler(base, space, refine=1.5)
+
+
+def test_a_new_study_starts_from_the_exhaustive_best():
+    """`enqueue_best`: trial 0 of a new study is the exhaustive table's best plan (study.enqueue_trial)."""
+    ref = exhaustive(build_problem(**{**SMALL, "gpus": 8}), fixed=PINNED)
+    res = optuna_search(StudySpec(**SMALL, fixed=PINNED, seed=0), n_trials=4)
+    assert res.extra["optuna"]["seeded"] and res.best["plan"] == ref.best["plan"] and res.best["trial"] == 0
 
 
 def test_infeasible_plans_are_never_reported_as_best():
@@ -277,7 +282,7 @@ def test_study_remembers_its_problem_and_trials_hold_plans(tmp_path):
     assert spec.model == "llama3-8b" and spec.gpus == "8" and spec.global_batch == 16
     t = study.trials[0]
     assert set(t.user_attrs["plan"]) == set(PLAN_FIELDS)
-    assert set(t.user_attrs) == {"plan", "metrics", "worker"}
+    assert {"plan", "metrics", "worker"} <= set(t.user_attrs) <= {"plan", "metrics", "worker", "seeded"}
     for key in ("step_time_s", "tokens_per_s", "memory_gb", "fits", "gpus", "cost_gpu_h", osr.CONSTRAINT):
         assert key in t.user_attrs["metrics"]
     assert set(t.constraints) == {osr.CONSTRAINT}
@@ -333,18 +338,21 @@ def test_auto_picks_exhaustive_for_small_spaces_and_optuna_for_ranges():
     assert small.strategy == "exhaustive" and "2,775 legal plans" in small.reason
     big = osr.choose_strategy("auto", gpus=8, count_legal=lambda: 10 ** 7)
     assert big.strategy == "optuna"
-    rng = osr.choose_strategy("auto", gpus=parse_gpus("256-2048"))
-    assert rng.strategy == "optuna" and "range" in rng.reason
+    # a range: exhaustive when the legal plans of all its counts together are few enough
+    rng = osr.choose_strategy("auto", gpus=parse_gpus("256-2048"), count_legal=lambda: 150_000)
+    assert rng.strategy == "exhaustive" and "over the GPU counts of 256-2048" in rng.reason
+    big = osr.choose_strategy("auto", gpus=parse_gpus("256-2048"), count_legal=lambda: 10 ** 8)
+    assert big.strategy == "optuna"
     multi = osr.choose_strategy("auto", gpus=8, objectives=["tokens_per_s", "gpus"], count_legal=lambda: 10)
     assert multi.strategy == "optuna"
     with pytest.raises(SpecError):
-        osr.choose_strategy("exhaustive", gpus=parse_gpus("8-64"))
+        osr.choose_strategy("exhaustive", gpus=parse_gpus("8-64"), objectives=["tokens_per_s", "gpus", "memory"])
 
 
 @pytest.mark.parametrize("url,shown", [
     ("postgresql://alice:s3cr%40t@db.example:5432/studies", "postgresql://alice:***@db.example:5432/studies"),
     ("postgresql+psycopg2://bob:pw@host/db?sslmode=require", "postgresql+psycopg2://bob:***@host/db?sslmode=require"),
-    ("postgresql://host/db?user=u&password=hunter2", "postgresql://host/db?user=u&password=***"),
+    ("postgresql://host/db?user=u&password=hunter2", "postgresql://host/db?password=***&user=u"),   # SQLAlchemy sorts the query
     ("sqlite:///results/studies.db", "sqlite:///results/studies.db"),
     (None, "memory"),
 ])
@@ -392,13 +400,38 @@ def test_cli_pareto_front_and_plot(tmp_path):
                 "--trials", "60", "--seed", "0", "--json", "--out", tmp_path)
     assert r.exit_code == 0, (r.stderr, r.exception)
     rep = json.loads(r.stdout)
-    assert rep["strategy_choice"]["chosen"] == "optuna" and "range" in rep["strategy_choice"]["reason"]
+    assert rep["strategy_choice"]["chosen"] == "optuna" and "--sampler" in rep["strategy_choice"]["reason"]
     front = rep["optuna"]["pareto_front"]
     assert front and all(set(f["values"]) == {"tokens_per_s", "gpus"} for f in front)
     plot = tmp_path / rep["optuna"]["pareto_plot"]
-    assert plot.suffix == ".svg" and plot.read_text().startswith("<svg")
+    html = plot.read_text()
+    assert plot.suffix == ".html" and "plotly" in html and "Pareto front of tokens_per_s, gpus" in html
     md = next(tmp_path.glob("*.md")).read_text()
     assert "Pareto" in md and rep["optuna"]["pareto_plot"] in md
+
+
+def test_cli_range_is_scored_exhaustively_when_small(tmp_path):
+    """auto on a GPU range whose counts hold few legal plans scores them all: the exact Pareto front,
+    which no scored plan dominates, and the best plan of each count on it."""
+    r = run_cli("search", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8-32:pow2", "--global-batch", "16",
+                "--seq-len", "4096", "--objective", "tokens_per_s", "--objective", "gpus", "--json", "--no-save",
+                "--no-sensitivity")
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    rep = json.loads(r.stdout)
+    assert rep["strategy"] == "exhaustive" and rep["strategy_choice"]["chosen"] == "exhaustive"
+    assert "over the GPU counts of 8-32:pow2" in rep["strategy_choice"]["reason"]
+    assert rep["space"]["scored"] == rep["space"]["legal"] == rep["strategy_choice"]["legal_plans"]
+    front = rep["range"]["pareto_front"]
+    assert [f["values"]["gpus"] for f in front] == [8, 16, 32]
+    spec = StudySpec(**{**SMALL, "gpus": "8-32:pow2"}).resolved()
+    space = spec.build_space()
+    scorer = BatchScorer(space, spec.params(), None)
+    for f in front:
+        n = int(f["values"]["gpus"])
+        steps, mems = scorer.score(np.full(len(space.legal_plans(n)), n), space.legal_plans(n))
+        best = float(steps[mems <= scorer.limit_bytes(n)].min())
+        assert f["step_time_s"] == pytest.approx(best, rel=1e-5)
+    assert rep["best"]["num_gpus"] == 32                 # the most throughput is on the most GPUs here
 
 
 def test_cli_worker_and_studies_json(tmp_path):
@@ -437,7 +470,8 @@ BAD = {
                                   ("sampler", "cmaes")),
     "empty gpu range": (["--gpus", "300-303"], ("gpus", "300-303")),
     "reversed gpu range": (["--gpus", "64-8"], ("gpus", "empty")),
-    "range with exhaustive": (["--gpus", "8-64", "--strategy", "exhaustive"], ("gpus", "optuna")),
+    "range with exhaustive, 3 objectives": (["--gpus", "8-64", "--strategy", "exhaustive", "--objective", "tokens_per_s",
+                                             "--objective", "gpus", "--objective", "memory"], ("objective", "optuna")),
     "optuna option with exhaustive": (["--strategy", "exhaustive", "--trials", "5"], ("--trials",)),
     "zero trials": (["--strategy", "optuna", "--trials", "0"], ("trials",)),
     "batch size zero": (["--strategy", "optuna", "--batch-size", "0"], ("batch_size",)),
@@ -473,8 +507,11 @@ def test_unreachable_storage_one_line_no_password(tmp_path):
 def test_worker_needs_an_autotune_study(tmp_path):
     url = f"sqlite:///{tmp_path}/x.db"
     r = run_cli("worker", "--storage", url, "--study", "missing", "--trials", "5")
-    one_error_line(r, 2, "study", "missing")
+    one_error_line(r, 2, "storage", "does not exist")          # a worker creates no database
+    assert not (tmp_path / "x.db").exists()
     optuna.create_study(storage=url, study_name="foreign")
+    r = run_cli("worker", "--storage", url, "--study", "missing", "--trials", "5")
+    one_error_line(r, 2, "study", "missing")
     r = run_cli("worker", "--storage", url, "--study", "foreign", "--trials", "5")
     one_error_line(r, 2, "study", "autotune")
 
@@ -505,3 +542,18 @@ def test_ctrl_c_keeps_finished_trials(tmp_path):
     states = [t.state for t in optuna.load_study(study_name="int", storage=url).trials]
     assert optuna.trial.TrialState.RUNNING not in states
     assert states.count(optuna.trial.TrialState.COMPLETE) == 8 + w["run"]["trials"]
+
+
+def test_api_search_is_one_path_for_every_strategy():
+    """api.search takes a Problem or a StudySpec: exhaustive on one count, exhaustive on a range, Optuna."""
+    from autotune import api
+    problem = build_problem(**{**SMALL, "gpus": 8})
+    ref = api.search(problem, fixed=PINNED)
+    spec = StudySpec(**SMALL, fixed=PINNED, seed=0)
+    assert api.search(spec).best["plan"] == ref.best["plan"]
+    rng = api.search(StudySpec(**{**SMALL, "gpus": "8-16:pow2"}, fixed=PINNED))
+    assert rng.strategy == "exhaustive" and rng.space["gpu_counts"] == 2 and rng.space["scored"] == rng.space["legal"]
+    opt = api.search(spec, strategy="optuna", run=api.OptunaRun(n_trials=6))
+    assert opt.strategy == "optuna" and opt.best["plan"] == ref.best["plan"]
+    with pytest.raises(SpecError):
+        api.search(problem, strategy="optuna")

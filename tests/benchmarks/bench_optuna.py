@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 from autotune import optuna_search as osr                                   # noqa: E402
+from autotune import samplers                                               # noqa: E402
 from autotune.optuna_search import BatchScorer, StudySpec, create_study, make_sampler, run_batches  # noqa: E402
 from costmodels.plan import PLAN_FIELDS, PlanBatch                                      # noqa: E402
 from search_spaces.space import KNOBS, OPTUNA_ONLY_KNOBS, RULES, check_rows             # noqa: E402
@@ -118,8 +119,9 @@ def main(argv=None) -> int:
 
     rows, gains = [], []
     print(f"sampler={args.sampler} batch={args.batch_size} seeds={args.seeds} max_trials={args.max_trials} "
-          f"tpe_startup={osr.TPE_STARTUP_TRIALS} ei_candidates={osr.TPE_EI_CANDIDATES} refine={osr.TPE_REFINE} "
-          f"incumbents={osr.TPE_REFINE_INCUMBENTS} retries={osr.TPE_RETRIES} space={args.space}")
+          f"tpe_startup={samplers.TPE_STARTUP_TRIALS} ei_candidates={samplers.TPE_EI_CANDIDATES} "
+          f"refine={samplers.TPE_REFINE} incumbents={samplers.TPE_INCUMBENTS} retries={samplers.TPE_RETRIES} "
+          f"space={args.space}")
     for name, kw in CASES + GAIN_CASES:
         if (args.case and name not in args.case) or (not args.case and (name, kw) in GAIN_CASES):
             if (name, kw) in GAIN_CASES and not args.case and not args.no_gain:

@@ -1,0 +1,63 @@
+"""A problem from user-level names (model preset or config.json, GPU preset or cluster file, job),
+and a plan from its text. Below `api` and the search modules, so the search
+can rebuild a problem (a study's worker, each GPU count of a range) without importing the facade."""
+from __future__ import annotations
+
+from costmodels.plan import Plan, parse_plan_text
+from costmodels.presets import build_cluster, load_model
+from costmodels.specs import (AttentionBackend, DispatcherType, Framework, FrameworkSpec, JobSpec, Precision,
+                              SpecError)
+from search_spaces.space import Problem, check_plan, complete_plan
+
+#: default tokens per optimizer step when --global-batch is omitted (Llama 3 / GPT-3 scale: ~4M)
+DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
+
+
+def build_problem(*, model: str, gpu: str | None = None, gpus: int | None = None,
+                  global_batch: int | None = None, seq_len: int | None = None,
+                  precision: str = "bf16", gpus_per_node: int | None = None,
+                  intra_node_bw: float | None = None, inter_node_bw: float | None = None,
+                  cluster_file: str | None = None, framework: dict | FrameworkSpec | None = None) -> Problem:
+    """Model preset or config.json + GPU preset (+ overrides or cluster file) + job -> Problem.
+
+    `framework` holds Megatron-Core options (FrameworkSpec field names; values may be the CLI's
+    strings); omitted ones keep Megatron's defaults."""
+    spec = load_model(model)
+    cluster = build_cluster(gpu=gpu, num_gpus=gpus, gpus_per_node=gpus_per_node,
+                            intra_node_bw_gbps=intra_node_bw, inter_node_bw_gbps=inter_node_bw,
+                            cluster_file=cluster_file)
+    prec = Precision.parse(precision, "precision")
+    if cluster.gpu.peak_flops(prec) <= 0:
+        raise SpecError("precision", f"{cluster.gpu.name} has no {prec.value} tensor cores; "
+                        f"use bf16{' or fp8' if cluster.gpu.peak_flops_fp8 else ''}")
+    seq = seq_len if seq_len is not None else min(spec.max_seq_len, 8192)
+    if global_batch is None:
+        global_batch = max(1, DEFAULT_TOKENS_PER_STEP // max(seq, 1))
+    fw = framework if isinstance(framework, FrameworkSpec) else framework_spec(**(framework or {}))
+    job = JobSpec(global_batch=global_batch, seq_len=seq, precision=prec, framework=fw)
+    return Problem(spec, cluster, job)
+
+
+def framework_spec(*, framework: str | None = None, attention_backend: str | None = None,
+                   tp_comm_overlap: bool | None = None, grad_reduce_in_fp32: bool | None = None,
+                   fp8_param_gather: bool | None = None, overlap_grad_reduce: bool | None = None,
+                   overlap_param_gather: bool | None = None,
+                   moe_token_dispatcher_type: str | None = None) -> FrameworkSpec:
+    """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
+    given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                   fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
+                                   overlap_param_gather=overlap_param_gather).items() if v is not None}
+    if framework is not None:
+        given["framework"] = Framework.parse(framework)
+    if attention_backend is not None:
+        given["attention_backend"] = AttentionBackend.parse(attention_backend)
+    if moe_token_dispatcher_type is not None:
+        given["moe_token_dispatcher_type"] = DispatcherType.parse(moe_token_dispatcher_type)
+    return FrameworkSpec(**given)
+
+
+def plan_from_text(text: str, problem: Problem) -> Plan:
+    """Parse --plan, fill omitted knobs with defaults (dp from the GPU count), check legality."""
+    plan = complete_plan(parse_plan_text(text), problem)
+    check_plan(plan, problem)
+    return plan
