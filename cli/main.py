@@ -436,6 +436,8 @@ from cli.analysis_cmds import register as _register_analysis  # noqa: E402
 _register_analysis(app)
 # issue 4: worker / studies (search --strategy optuna|auto goes through optuna_cmds.run_optuna_search)
 optuna_cmds.register(app)
+from cli import capacity_cmds  # noqa: E402  (issue 13: capacity)
+capacity_cmds.register(app)
 
 
 if __name__ == "__main__":

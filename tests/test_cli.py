@@ -77,6 +77,9 @@ SURFACE = {
                "--gpus-per-node", "--memory-limit-gb", "--json"},
     "worker": {"--storage", "--study", "--trials", "--timeout", "--batch-size", "--seed", "--stale-after", "--json"},
     "studies": {"--storage", "--study", "--export", "--top", "--json"},
+    "capacity": {"--model", "--tokens", "--gpu", "--deadline", "--price-per-gpu-hour", "--power-w", "--mtbf-hours",
+                 "--checkpoint-s", "--restart-s", "--objective", "--min-gpus", "--max-gpus", "--global-batch",
+                 "--seq-len", "--precision", "--memory-headroom", "--calibration", "--plot", "--json"},
 }
 
 
