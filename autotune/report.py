@@ -127,6 +127,7 @@ def render_markdown(report: dict) -> str:
              f"(strategy {report['strategy']}, calibration {report['calibration']}).", "",
              f"Job: global batch {p['job']['global_batch']} x {p['job']['seq_len']} tokens, "
              f"precision {p['job']['precision']}.", "", "## Why this plan", "", report["explanation"], "",
+             *_ties_lines(report),
              "## Best plans", "",
              "| # | TP | PP | DP | CP | EP | VPP | MBS | recompute | SP | ZeRO | step (s) | tokens/s/GPU "
              "| TFLOP/s/GPU | MFU | memory (GB) | fits |" + (" stages / block recompute |" if extras else ""),
@@ -155,14 +156,35 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def save_report(report: dict, out_dir: str) -> tuple[str, str]:
+def _ties_lines(report: dict) -> list:
+    """The headroom and ties sentence and the plans flagged at the memory limit (empty without them)."""
+    from .headroom import ties_sentence
+    if not report.get("ties"):
+        return []
+    out = [ties_sentence(report), ""]
+    flagged = [str(i) for i, r in enumerate(report["top"], 1) if r.get("at_limit")]
+    if flagged:
+        out += [f"**At the memory limit** (above {report['headroom']['at_limit_frac']:.0%} of the device): "
+                f"plan {', '.join(flagged)}.", ""]
+    return out
+
+
+def save_report(report: dict, out_dir: str, *, study=None, plotlyjs: str = "inline") -> tuple[str, str, str]:
+    """Write the JSON (the source of truth), its Markdown rendering and the HTML page with plots (plotly;
+    with an Optuna `study`, Optuna's own study plots too). Returns the three paths."""
+    from .plots import search_page, write_plotlyjs
+
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, report_basename(report))
     with open(base + ".json", "w") as fh:
         json.dump(report, fh, indent=2)
     with open(base + ".md", "w") as fh:
         fh.write(render_markdown(report))
-    return base + ".json", base + ".md"
+    if plotlyjs == "directory":
+        write_plotlyjs(out_dir)
+    with open(base + ".html", "w") as fh:
+        fh.write(search_page(report, study=study, plotlyjs=plotlyjs))
+    return base + ".json", base + ".md", base + ".html"
 
 
 def add_sensitivity(report: dict, problem: Problem, params, memory_limit_gb: float | None = None) -> dict:
