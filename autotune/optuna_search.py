@@ -765,6 +765,7 @@ def optuna_search(spec: StudySpec, *, n_trials: int | None = DEFAULT_TRIALS, tim
                        storage_url=storage_url)
     result.extra["optuna"]["resumed"] = resumed
     result.extra["optuna"]["interrupted"] = run.interrupted
+    result.study = study                  # for the report's Optuna plots (not part of the JSON)
     return result
 
 
@@ -870,72 +871,3 @@ def choose_strategy(requested: str, *, gpus, objectives=("tokens_per_s",), persi
     if n <= threshold:
         return StrategyChoice("exhaustive", f"{n:,} legal plans <= {threshold:,}: scored in a few seconds", n)
     return StrategyChoice("optuna", f"{n:,} legal plans > {threshold:,}", n)
-
-
-# ------------------------------------------------------------------------------------------------
-# Pareto plot (a small hand-written SVG: no plotting dependency)
-# ------------------------------------------------------------------------------------------------
-
-def pareto_svg(points: list, front: list, xlabel: str, ylabel: str, title: str,
-               width: int = 640, height: int = 420) -> str:
-    """Scatter of every feasible trial (grey) and the Pareto front (red, joined), as SVG text."""
-    pts = [(float(x), float(y)) for x, y in points if math.isfinite(x) and math.isfinite(y)]
-    fr = sorted((float(x), float(y)) for x, y in front)
-    allp = pts + fr
-    if not allp:
-        allp = [(0.0, 0.0)]
-    x0, x1 = min(p[0] for p in allp), max(p[0] for p in allp)
-    y0, y1 = min(p[1] for p in allp), max(p[1] for p in allp)
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
-    if y1 == y0:
-        y0, y1 = y0 - 1, y1 + 1
-    ml, mr, mt, mb = 80, 20, 40, 55
-    pw, ph = width - ml - mr, height - mt - mb
-
-    def sx(x):
-        return ml + (x - x0) / (x1 - x0) * pw
-
-    def sy(y):
-        return mt + ph - (y - y0) / (y1 - y0) * ph
-
-    def esc(s):
-        return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="14">{esc(title)}</text>',
-           f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="#333"/>']
-    for i in range(5):
-        fx = x0 + (x1 - x0) * i / 4
-        fy = y0 + (y1 - y0) * i / 4
-        out.append(f'<line x1="{sx(fx):.1f}" y1="{mt + ph}" x2="{sx(fx):.1f}" y2="{mt + ph + 5}" stroke="#333"/>')
-        out.append(f'<text x="{sx(fx):.1f}" y="{mt + ph + 18}" text-anchor="middle">{_tick(fx)}</text>')
-        out.append(f'<line x1="{ml - 5}" y1="{sy(fy):.1f}" x2="{ml}" y2="{sy(fy):.1f}" stroke="#333"/>')
-        out.append(f'<text x="{ml - 8}" y="{sy(fy) + 4:.1f}" text-anchor="end">{_tick(fy)}</text>')
-    out.append(f'<text x="{ml + pw / 2}" y="{height - 12}" text-anchor="middle">{esc(xlabel)}</text>')
-    out.append(f'<text x="16" y="{mt + ph / 2}" text-anchor="middle" '
-               f'transform="rotate(-90 16 {mt + ph / 2})">{esc(ylabel)}</text>')
-    for x, y in pts:
-        out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="#999" fill-opacity="0.5"/>')
-    if fr:
-        path = " ".join(f"{'M' if i == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for i, (x, y) in enumerate(fr))
-        out.append(f'<path d="{path}" fill="none" stroke="#c00" stroke-width="1.5"/>')
-        for x, y in fr:
-            out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4" fill="#c00"/>')
-    out.append(f'<text x="{ml + pw - 5}" y="{mt + 15}" text-anchor="end" fill="#c00">Pareto front '
-               f'({len(fr)} plans)</text>')
-    out.append(f'<text x="{ml + pw - 5}" y="{mt + 30}" text-anchor="end" fill="#777">feasible trials '
-               f'({len(pts)})</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
-def _tick(v: float) -> str:
-    a = abs(v)
-    if a >= 1e6:
-        return f"{v / 1e6:.3g}M"
-    if a >= 1e4:
-        return f"{v / 1e3:.3g}k"
-    return f"{v:.3g}"

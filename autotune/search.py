@@ -37,6 +37,7 @@ class SearchResult:
     strategy: str = "exhaustive"
     runner_up: dict | None = None        # best plan with a different parallel layout
     extra: dict = field(default_factory=dict)
+    study: object | None = field(default=None, repr=False)   # the Optuna study behind an Optuna search
 
 
 MESH = ("tp", "pp", "dp", "cp", "ep", "etp")

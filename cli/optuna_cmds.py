@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from typing import Annotated, Callable, Optional
 
@@ -24,6 +23,7 @@ from rich.text import Text
 from autotune import optuna_search as osr
 from autotune import api
 from cli.options import JsonOpt
+from autotune.headroom import annotate
 from autotune.report import add_sensitivity, extras_text, report_basename, save_report, search_report, uses_extras
 from autotune.search import NothingFits
 from autotune.studies import export_study, list_studies, redact_url, show_study
@@ -179,29 +179,9 @@ def _markdown_section(report: dict) -> str:
         for i, f in enumerate(front, 1):
             lines.append(f"| {i} | {f['trial']} | " + " | ".join(_fmt(f["values"][n]) for n in names)
                          + f" | {','.join(f'{k}={v}' for k, v in f['plan'].items())} |")
-        if o.get("pareto_plot"):
-            lines += ["", f"![Pareto front]({o['pareto_plot']})"]
+        lines += ["", f"Plots (Optuna's history, Pareto front, parameter importances): "
+                      f"[{report_basename(report)}.html]({report_basename(report)}.html)"]
     return "\n".join(lines)
-
-
-def _write_plot(report: dict, points: list, out: str) -> None:
-    o = report["optuna"]
-    objs = o["objectives"]
-    if len(objs) < 2 or not o.get("pareto_front"):
-        return
-    lab = {x["name"]: osr.OBJECTIVES[x["name"]].label for x in objs}
-    y_name, x_name = objs[0]["name"], objs[1]["name"]
-    front = [(f["values"][x_name], f["values"][y_name]) for f in o["pareto_front"]]
-    pts = [(p[1], p[0]) for p in points]
-    title = f"{report['problem']['model']['name']}: {lab[y_name]} vs {lab[x_name]}"
-    if len(objs) > 2:
-        title += f" (front of {len(objs)} objectives)"
-    svg = osr.pareto_svg(pts, front, lab[x_name], lab[y_name], title)
-    name = report_basename(report) + "_pareto.svg"
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name), "w") as fh:
-        fh.write(svg)
-    o["pareto_plot"] = name
 
 
 def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Optional[int],
@@ -212,7 +192,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       sampler: Optional[str], seed: Optional[int], objectives: Optional[list],
                       storage: Optional[str], study: Optional[str], batch_size: Optional[int],
                       choice: osr.StrategyChoice | None = None, requested: str = "optuna",
-                      with_sensitivity: bool = True) -> int:
+                      with_sensitivity: bool = True, headroom=None) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
     if isinstance(gpus, GpuRange) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
@@ -238,18 +218,19 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         return EXIT_NOTHING_FITS
     params_source = calibration or "defaults"
     info = result.extra["optuna"]
-    points = info.pop("pareto_points", [])
+    info.pop("pareto_points", None)          # the HTML page plots the front from the study itself
     report = search_report(result, params_source)
     report["strategy_choice"] = {"requested": requested, **(choice or osr.StrategyChoice("optuna", "requested")).as_dict()}
+    if headroom is not None:
+        annotate(report, headroom)
     if with_sensitivity and getattr(result, "problem", None) is not None:
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
     saved = None
     if not no_save:
         try:
-            _write_plot(report, points, out)
             report.setdefault("sections", []).insert(0, {"title": "Optuna", "markdown": _markdown_section(report)})
-            saved = save_report(report, out)
+            saved = save_report(report, out, study=getattr(result, "study", None))
         except OSError as exc:
             raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
     code = EXIT_INTERRUPTED if info.get("interrupted") else EXIT_OK
@@ -273,8 +254,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                    f"({run.get('wall_per_trial_ms', 0):.1f} ms per trial, {run.get('model_share', 0):.0%} in "
                    f"the cost model){'; resumed' if info.get('resumed') else ''}."))
     if saved:
-        plot = f" and {os.path.join(out, info['pareto_plot'])}" if info.get("pareto_plot") else ""
-        con.print(Text(f"Report saved to {saved[0]}, {saved[1]}{plot}"))
+        con.print(Text(f"Report saved to {', '.join(saved)} (plots: Optuna's history, Pareto front, importances)"))
     else:
         con.print(Text("Report not saved (--no-save)."))
     if code == EXIT_INTERRUPTED:
