@@ -125,3 +125,30 @@ def _print(report: dict) -> None:
 
 def register(app: typer.Typer) -> None:
     app.command("capacity")(capacity)
+
+
+# search's --memory-headroom and ties (kept here so cli/main.py changes by a few lines only)
+
+def headroom_of(gpu, cluster, memory_limit_gb, memory_headroom):
+    from autotune.headroom import device_headroom
+    # --memory-limit-gb is already the usable memory: the default headroom applies to the device's own
+    frac = parse_fraction(memory_headroom, "memory_headroom", 0.0 if memory_limit_gb else DEFAULT_MEMORY_HEADROOM_FRAC)
+    return device_headroom(gpu, cluster, memory_limit_gb, frac)
+
+
+def annotate_headroom(report: dict, room) -> None:
+    from autotune.headroom import annotate
+    if room is not None:
+        annotate(report, room)
+
+
+def print_ties(con: Console, report: dict) -> None:
+    from autotune.headroom import ties_sentence
+    text = ties_sentence(report)
+    if text:
+        con.print(Text(text))
+        flagged = [f"#{i}" for i, r in enumerate(report["top"], 1) if r.get("at_limit")]
+        if flagged:
+            con.print(Text(f"At the memory limit (above {report['headroom']['at_limit_frac']:.0%} of the device): "
+                           + ", ".join(flagged)))
+        con.print()

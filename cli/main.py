@@ -31,7 +31,7 @@ from autotune.report import (TIME_LABELS, add_sensitivity, extras_text, plan_tex
                              search_report, uses_extras)
 from autotune.scoring import enable_compile_cache
 from autotune.search import NothingFits
-from cli import optuna_cmds
+from cli import capacity_cmds, optuna_cmds
 from costmodels.specs import SpecError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 2, 3
@@ -273,9 +273,12 @@ def search(
     with_sensitivity: Annotated[bool, typer.Option(
         "--sensitivity/--no-sensitivity",
         help="Add the best plan's elasticities (jax.jacfwd) to the report (first run in a fresh cache: ~8 s).")] = True,
+    memory_headroom: capacity_cmds.HeadroomOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     _check_memory_limit(memory_limit_gb)
+    room = capacity_cmds.headroom_of(gpu, cluster, memory_limit_gb, memory_headroom)
+    memory_limit_gb = room.limit_gb if room else memory_limit_gb
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
     given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed, objective,
                                                                       storage, study, batch_size)) if value is not None]
@@ -290,7 +293,7 @@ def search(
             top=top, memory_limit_gb=memory_limit_gb, out=out, no_save=no_save, as_json=as_json,
             calibration=calibration, trials=trials, timeout=timeout, sampler=sampler, seed=seed,
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
-            requested=strategy, with_sensitivity=with_sensitivity)
+            requested=strategy, with_sensitivity=with_sensitivity, headroom=room)
     problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
                        inter_node_bw, cluster)
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
@@ -305,6 +308,7 @@ def search(
         return EXIT_NOTHING_FITS
     report = search_report(result, params_source)
     report["strategy_choice"] = {"requested": strategy, **choice.as_dict()}
+    capacity_cmds.annotate_headroom(report, room)
     if with_sensitivity:
         with _spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
@@ -322,6 +326,7 @@ def search(
     con.print()
     con.print(Text(report["explanation"]))
     con.print()
+    capacity_cmds.print_ties(con, report)
     if report.get("sensitivity"):
         con.print(Text("What would help the best plan (elasticities through the cost model):"))
         for sentence in report["sensitivity"]["sentences"][:5]:
@@ -330,7 +335,7 @@ def search(
     con.print(Text(_space_line(report["space"], report["elapsed_s"])))
     if strategy != "exhaustive":
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
-    con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved (--no-save)."))
+    con.print(Text(f"Report saved to {', '.join(saved)}" if saved else "Report not saved (--no-save)."))
     return EXIT_OK
 
 
@@ -436,7 +441,6 @@ from cli.analysis_cmds import register as _register_analysis  # noqa: E402
 _register_analysis(app)
 # issue 4: worker / studies (search --strategy optuna|auto goes through optuna_cmds.run_optuna_search)
 optuna_cmds.register(app)
-from cli import capacity_cmds  # noqa: E402  (issue 13: capacity)
 capacity_cmds.register(app)
 
 
