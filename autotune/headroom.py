@@ -123,3 +123,18 @@ def ties_sentence(report: dict) -> str:
     return (head + f" {n} plans lie within the model's error ({tol:.1%}) of the fastest and are indistinguishable; "
             f"recommended: #{rec_i + 1} ({rec['step_time_s'] / best['step_time_s'] - 1:+.1%} step time, "
             f"{rec['headroom_gb']:.1f} GB headroom vs {best['headroom_gb']:.1f} GB).")
+
+
+def device_headroom(gpu: str | None, cluster_file: str | None, memory_limit_gb: float | None,
+                    frac: float) -> Headroom | None:
+    """The headroom of a problem given as CLI flags: the device memory is --memory-limit-gb if given,
+    else the GPU preset's (or the cluster file's GPU's) memory. None when neither names a GPU (the
+    problem's own check then reports the missing flag)."""
+    from costmodels.presets import build_cluster, load_gpu
+    if memory_limit_gb:
+        return headroom_for(memory_limit_gb, frac)
+    if gpu:
+        return headroom_for(load_gpu(gpu).hbm_bytes / 1e9, frac)
+    if cluster_file:
+        return headroom_for(build_cluster(cluster_file=cluster_file).gpu.hbm_bytes / 1e9, frac)
+    return None
