@@ -30,7 +30,8 @@ from autotune import __version__, api
 from autotune.report import (TIME_LABELS, add_sensitivity, extras_text, plan_text, problem_dict, save_report,
                              search_report, uses_extras)
 from autotune.scoring import enable_compile_cache
-from autotune.search import NothingFits
+from autotune.advice import no_legal_plan_advice, nothing_fits_advice
+from autotune.search import NoLegalPlan, NothingFits
 from cli import capacity_cmds, optuna_cmds
 from costmodels.specs import SpecError
 
@@ -302,10 +303,13 @@ def search(
             result = api.search(problem, strategy="exhaustive", top_k=top, memory_limit_gb=memory_limit_gb,
                                 params=params)
     except NothingFits as exc:
+        advice = nothing_fits_advice(problem, params, memory_limit_gb)
         if as_json:
-            _print_json({"error": str(exc), "closest": exc.closest, "space": exc.space})
-        _error_line(str(exc))
+            _print_json({"error": str(exc), "closest": exc.closest, "space": exc.space, "advice": advice})
+        _error_line(f"{exc}; {advice['sentence']}")
         return EXIT_NOTHING_FITS
+    except NoLegalPlan as exc:
+        raise NoLegalPlan(exc.field, f"{str(exc).split(': ', 1)[1]}; {no_legal_plan_advice(problem)['sentence']}") from None
     report = search_report(result, params_source)
     report["strategy_choice"] = {"requested": strategy, **choice.as_dict()}
     capacity_cmds.annotate_headroom(report, room)

@@ -184,8 +184,8 @@ def test_search_nothing_fits_json(tmp_path):
     result = run("search", *SMALL, "--memory-limit-gb", "1", "--json", "--out", tmp_path)
     line = assert_one_line_error(result, 3, "memory", "closest", "GB over")
     data = json.loads(result.stdout)
-    assert set(data) == {"error", "closest", "space"}
-    assert data["error"] in line
+    assert set(data) == {"error", "closest", "space", "advice"}
+    assert data["error"] in line and data["advice"]["sentence"] in line
     assert set(data["closest"]["plan"]) == PLAN_KNOBS and data["closest"]["fits"] is False
     assert data["space"]["fitting"] == 0 and data["space"]["legal"] > 0
     assert list(tmp_path.iterdir()) == []
