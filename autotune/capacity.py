@@ -30,7 +30,7 @@ from costmodels.specs import SpecError
 
 #: Per-GPU mean time between job-interrupting failures. Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of
 #: Models", sec. 3.3.4): 419 unexpected interruptions in a 54-day snapshot of pre-training on 16,384 H100s
-#: -> 54 * 24 * 16,384 / 419 = 50,674 GPU-hours per interruption.
+#: -> 54 * 24 * 16,384 / 419 = 50,677 GPU-hours per interruption.
 LLAMA3_INTERRUPTIONS, LLAMA3_SNAPSHOT_DAYS, LLAMA3_GPUS = 419, 54, 16384
 DEFAULT_GPU_MTBF_HOURS = LLAMA3_SNAPSHOT_DAYS * 24 * LLAMA3_GPUS / LLAMA3_INTERRUPTIONS
 
