@@ -202,7 +202,9 @@ class CapacityRequest:
             raise SpecError("gpu", "give at least one GPU type (--gpu h100 --gpu b200 ...)")
         if self.objective not in OBJECTIVES:
             raise SpecError("objective", f"unknown objective {self.objective!r}; choose cost or energy")
-        if not 1 <= self.min_gpus <= self.max_gpus:
+        if not self.min_gpus >= 1:
+            raise SpecError("min_gpus", f"must be a positive number of GPUs, got {self.min_gpus!r}")
+        if not self.min_gpus <= self.max_gpus:
             raise SpecError("max_gpus", f"need 1 <= min_gpus ({self.min_gpus}) <= max_gpus ({self.max_gpus})")
 
 

@@ -166,7 +166,9 @@ def html_page(title: str, blocks: list, plotlyjs: str = "inline") -> str:
     parts.append(f"</head><body><h1>{html.escape(title)}</h1>")
     for kind, content in blocks:
         if kind == "fig":
-            parts.append(content.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False}))
+            height = content.layout.height or 480       # a div of 100 % height inside a page body has none
+            parts.append(content.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False},
+                                         default_height=f"{height}px"))
         else:
             parts.append(f"<{kind}>{html.escape(str(content))}</{kind}>")
     parts.append("</body></html>")

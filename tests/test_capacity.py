@@ -181,6 +181,10 @@ def test_cli_deadline_nothing_meets_exit_3():
                                          (["--price-per-gpu-hour", "a100-80gb=2"], "price_per_gpu_hour"),
                                          (["--checkpoint-s", "0"], "checkpoint_s"),
                                          (["--objective", "speed"], "objective"),
+                                         (["--min-gpus", "0"], "min_gpus"),
+                                         (["--min-gpus", "512"], "max_gpus"),
+                                         (["--tokens", "-1"], "tokens"),
+                                         (["--gpu", "tpu-v9"], "gpu"),
                                          (["--memory-headroom", "150%"], "memory_headroom")])
 def test_cli_bad_input_one_line(extra, field):
     res = run("capacity", *ARGS, *extra)
@@ -188,3 +192,15 @@ def test_cli_bad_input_one_line(extra, field):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}:"), res.stderr
     assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_energy_objective_picks_least_kwh():
+    res = run("capacity", *ARGS, "--gpu", "b200", "--power-w", "h100=700,b200=1000", "--objective", "energy",
+              "--json")
+    assert res.exit_code == 0, res.stderr
+    rep = json.loads(res.stdout)
+    picks = {g["gpu"]: g["pick"] for g in rep["per_gpu"]}
+    for g in rep["per_gpu"]:
+        assert all(r["energy_kwh"] >= g["pick"]["energy_kwh"] - 1e-6 for r in g["rows"])
+        assert g["pick"]["energy_kwh"] == pytest.approx(g["pick"]["gpu_hours"] * g["power_w"] / 1000)
+    assert rep["best_gpu"] == min(picks, key=lambda k: picks[k]["energy_kwh"])
