@@ -67,7 +67,7 @@ def _run_search(name: str, case: dict, out: str) -> dict:
 
 def _run_capacity(name: str, case: dict, out: str) -> dict:
     from . import capacity as cap
-    from .plots import capacity_page, write_plotlyjs
+    from .figures import capacity_page, write_plotlyjs
 
     req = cap.CapacityRequest(model=case["model"], tokens=case["tokens"], gpus=tuple(case["gpus"]),
                               deadline_s=cap.parse_duration_s(case["deadline"]), prices=case["prices"],

@@ -172,7 +172,7 @@ def _ties_lines(report: dict) -> list:
 def save_report(report: dict, out_dir: str, *, study=None, plotlyjs: str = "inline") -> tuple[str, str, str]:
     """Write the JSON (the source of truth), its Markdown rendering and the HTML page with plots (plotly;
     with an Optuna `study`, Optuna's own study plots too). Returns the three paths."""
-    from .plots import search_page, write_plotlyjs
+    from .figures import search_page, write_plotlyjs
 
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, report_basename(report))

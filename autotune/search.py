@@ -37,7 +37,7 @@ class SearchResult:
     strategy: str = "exhaustive"
     runner_up: dict | None = None        # best plan with a different parallel layout
     extra: dict = field(default_factory=dict)
-    study: object | None = field(default=None, repr=False)   # the Optuna study behind an Optuna search
+    study: object | None = field(default=None, repr=False)   # the optuna.Study of an Optuna search (plots)
 
 
 MESH = ("tp", "pp", "dp", "cp", "ep", "etp")

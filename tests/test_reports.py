@@ -7,7 +7,7 @@ import pytest
 from autotune import api
 from autotune.headroom import (AT_LIMIT_FRAC, STEP_TIME_TIE_FRAC, annotate, headroom_for, parse_fraction,
                                tie_group, ties_sentence)
-from autotune.plots import schedule_figure, search_page
+from autotune.figures import schedule_figure, search_page
 from autotune.report import render_markdown, search_report
 from autotune.schedule import makespan_s, plan_timeline, simulate, stage_order
 

@@ -164,11 +164,13 @@ def html_page(title: str, blocks: list, plotlyjs: str = "inline") -> str:
     else:
         parts.append(f"<script src='{PLOTLYJS_FILE}'></script>")
     parts.append(f"</head><body><h1>{html.escape(title)}</h1>")
+    n_figs = 0
     for kind, content in blocks:
         if kind == "fig":
+            n_figs += 1
             height = content.layout.height or 480       # a div of 100 % height inside a page body has none
             parts.append(content.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False},
-                                         default_height=f"{height}px"))
+                                         default_height=f"{height}px", div_id=f"figure-{n_figs}"))
         else:
             parts.append(f"<{kind}>{html.escape(str(content))}</{kind}>")
     parts.append("</body></html>")
