@@ -226,13 +226,15 @@ def plan_gpu_type(req: CapacityRequest, gpu: str) -> dict:
     from .headroom import headroom_for
     from .scoring import Inputs
     from .search import NoLegalPlan, NothingFits
-    from costmodels.presets import load_gpu
+    from costmodels.presets import RACK_SCALE_DOMAIN, load_gpu
 
+    # whole nodes; a rack-scale NVLink domain (NVL72) is shared by jobs in steps of RACK_SCALE_DOMAIN GPUs
     per_node = load_gpu(gpu).gpus_per_node
+    step = per_node if per_node <= RACK_SCALE_DOMAIN else RACK_SCALE_DOMAIN
     probe = api.build_problem(model=req.model, gpu=gpu, gpus=per_node, global_batch=req.global_batch,
                               seq_len=req.seq_len, precision=req.precision)
     params, _ = api.load_params(req.calibration, probe.cluster.gpu.name)
-    counts = gpu_count_grid(probe.cluster.gpu.gpus_per_node, req.min_gpus, req.max_gpus)
+    counts = gpu_count_grid(step, req.min_gpus, req.max_gpus)
     rows, skipped = [], {"no legal plan": [], "nothing fits": []}
     for n in counts:
         problem = api.build_problem(model=req.model, gpu=gpu, gpus=n, global_batch=req.global_batch,
@@ -281,7 +283,11 @@ def what_would_help(req: CapacityRequest, per_gpu: list[dict]) -> list[str]:
             continue
         f = g["fastest"]
         if f is None:
-            out.append(f"{g['gpu']}: no GPU count from {req.min_gpus} to {req.max_gpus} has a plan that fits.")
+            why = ("no legal plan" if not g["skipped"]["nothing fits"] else
+                   f"no plan fits in memory (legal plans exist at {', '.join(map(str, g['skipped']['nothing fits'][:4]))}"
+                   f"{' ...' if len(g['skipped']['nothing fits']) > 4 else ''} GPUs)")
+            out.append(f"{g['gpu']}: {why} at any GPU count from {req.min_gpus} to {req.max_gpus} tried "
+                       f"({len(g['counts_tried'])} counts).")
             continue
         text = (f"{g['gpu']}: the fastest is {f['wall_days']:.1f} days on {f['gpus']} GPUs "
                 f"({f['wall_days'] / days:.2f}x the {days:g}-day deadline)")

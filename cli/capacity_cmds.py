@@ -82,7 +82,7 @@ def capacity(
         if status:
             status.stop()
     if plot:
-        from autotune.plots import capacity_page
+        from autotune.figures import capacity_page
         with open(plot, "w") as fh:
             fh.write(capacity_page(report))
         report["plot"] = plot

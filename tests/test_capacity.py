@@ -204,3 +204,12 @@ def test_energy_objective_picks_least_kwh():
         assert all(r["energy_kwh"] >= g["pick"]["energy_kwh"] - 1e-6 for r in g["rows"])
         assert g["pick"]["energy_kwh"] == pytest.approx(g["pick"]["gpu_hours"] * g["power_w"] / 1000)
     assert rep["best_gpu"] == min(picks, key=lambda k: picks[k]["energy_kwh"])
+
+
+def test_rack_scale_counts_are_shares_of_racks():
+    # NVL72: a job takes an equal share of each rack (costmodels.presets), so counts step by 8, not 72
+    req = cap.CapacityRequest(model="llama3-8b", tokens=1e12, gpus=("gb200",), min_gpus=64, max_gpus=128,
+                              seq_len=4096, global_batch=1024)
+    g = cap.capacity_plan(req)["per_gpu"][0]
+    assert g["counts_tried"] == [64, 80, 96, 112, 128]
+    assert {r["gpus"] for r in g["rows"]} >= {64, 128} and g["pick"] is not None
