@@ -152,3 +152,14 @@ def print_ties(con: Console, report: dict) -> None:
             con.print(Text(f"At the memory limit (above {report['headroom']['at_limit_frac']:.0%} of the device): "
                            + ", ".join(flagged)))
         con.print()
+
+
+def flag_at_limit(rep: dict) -> str:
+    """Mark a predicted plan above AT_LIMIT_FRAC of its memory limit (`at_limit`); the warning, or ""."""
+    from autotune.headroom import AT_LIMIT_FRAC
+    mem = rep["memory_gb"]
+    rep["at_limit"] = bool(mem["total"] > AT_LIMIT_FRAC * mem["limit"])
+    if rep["at_limit"] and rep["fits"]:
+        return (f"Warning: {mem['total']:.1f} GB is {mem['total'] / mem['limit']:.1%} of the {mem['limit']:.1f} GB "
+                f"limit: above {AT_LIMIT_FRAC:.0%}, allocator and framework changes can tip it over; keep ~5% free.")
+    return ""

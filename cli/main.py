@@ -375,6 +375,7 @@ def predict(
     the_plan = api.plan_from_text(plan, problem)
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     rep = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)
+    at_limit = capacity_cmds.flag_at_limit(rep)
     code = EXIT_OK if rep["fits"] else EXIT_NOTHING_FITS
     if as_json:
         _print_json({**rep, "problem": problem_dict(problem), "calibration": params_source})
@@ -391,6 +392,8 @@ def predict(
                        f"({'fits' if rep['fits'] else 'does NOT fit'})."))
         con.print(_time_table(rep))
         con.print(_memory_table(rep))
+        if at_limit:
+            con.print(Text(at_limit))
     if not rep["fits"]:
         _error_line(_over_limit_line(rep))
     return code

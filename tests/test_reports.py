@@ -2,6 +2,8 @@
 page and its plots, memory headroom and ties."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from autotune import api
@@ -135,3 +137,17 @@ def test_page_and_markdown(report):
     assert "<script src='plotly.min.js'>" in search_page(report, plotlyjs="directory")
     md = render_markdown(report)
     assert "Memory headroom 5%" in md and "model's error" in md
+
+
+def test_predict_flags_a_plan_at_998_percent():
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    args = ["predict", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "64", "--seq-len",
+            "4096", "--plan", "tp=2,pp=2,vpp=2,mbs=1,recompute=selective,sp=true,zero=1"]
+    total = json.loads(CliRunner().invoke(app, args + ["--json"]).stdout)["memory_gb"]["total"]
+    limit = f"{total / 0.998:.4f}"                      # the plan at 99.8 % of the limit
+    res = CliRunner().invoke(app, args + ["--memory-limit-gb", limit])
+    assert res.exit_code == 0 and "Warning:" in res.stdout and "99.8%" in res.stdout
+    rep = json.loads(CliRunner().invoke(app, args + ["--memory-limit-gb", limit, "--json"]).stdout)
+    assert rep["fits"] and rep["at_limit"]
