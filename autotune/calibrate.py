@@ -120,7 +120,7 @@ def _from_z(z, base: EfficiencyParams, names) -> EfficiencyParams:
 
 def predict_steps(cases: list[FitCase], params: EfficiencyParams) -> np.ndarray:
     plans, m, hw, job, _ = _stack(cases, _bucket(len(cases)))
-    return np.asarray(cm.evaluate_jit(plans, m, hw, job, params)["step_time_s"])[:len(cases)]
+    return np.asarray(cm.evaluate_jit(plans, m, hw, job, params).step_time_s)[:len(cases)]
 
 
 def mape_pct(cases: list[FitCase], params: EfficiencyParams) -> float:
@@ -138,7 +138,7 @@ def _adam(z0, base, plans, m, hw, job, meas, w, lr, prior, *, names, steps):
     shape), whatever the data and the starting values (they are traced arguments)."""
     def loss(z):
         p = _from_z(z, base, names)
-        pred = cm.evaluate(plans, m, hw, job, p)["step_time_s"]
+        pred = cm.evaluate(plans, m, hw, job, p).step_time_s
         r = jnp.log(pred) - jnp.log(meas)
         return jnp.sum(w * r * r) + prior * jnp.sum((z - z0) ** 2)
 

@@ -9,6 +9,7 @@ import numpy as np
 import jax
 
 from costmodels import model as cm
+from costmodels.breakdown import Memory, StepTime, flatten
 from costmodels.encode import encode_cluster, encode_job, encode_model
 from costmodels.params import EfficiencyParams
 from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
@@ -85,18 +86,13 @@ def score_full(batch: PlanBatch, inp: Inputs, params: EfficiencyParams) -> dict:
     n = len(batch)
     size = FULL_CHUNK * int(np.ceil(max(n, 1) / FULL_CHUNK))
     part = _pad({f: np.asarray(batch[f], dtype=np.int32) for f in PLAN_FIELDS}, size)
-    out = cm.evaluate_jit(part, inp.model, inp.hw, inp.job, params)
+    out = flatten(cm.evaluate_jit(part, inp.model, inp.hw, inp.job, params))
     return {k: np.asarray(v)[:n] for k, v in out.items()}
 
 
-TIME_KEYS = {
-    "compute": "t_compute_s", "recompute": "t_recompute_s", "tp_comm": "t_tp_comm_s",
-    "cp_comm": "t_cp_comm_s", "ep_comm": "t_ep_comm_s", "pp_comm": "t_pp_comm_s",
-    "dp_comm": "t_dp_comm_s", "bubble": "t_bubble_s", "optimizer": "t_optimizer_s",
-    "overhead": "t_overhead_s",
-}
-MEM_KEYS = {"weights": "mem_weights", "gradients": "mem_gradients", "optimizer": "mem_optimizer",
-            "activations": "mem_activations", "other": "mem_other"}
+#: breakdown part -> key of `score_full`'s flat dict (the parts of StepTime / Memory)
+TIME_KEYS = {name: f"time.{name}" for name in StepTime._fields}
+MEM_KEYS = {name: f"memory.{name}" for name in Memory._fields if name != "total"}
 
 
 def plan_report(plan: Plan, out: dict, i: int, inp: Inputs) -> dict:
@@ -105,7 +101,7 @@ def plan_report(plan: Plan, out: dict, i: int, inp: Inputs) -> dict:
     n_gpus = prob.cluster.num_gpus
     step = float(out["step_time_s"][i])
     peak = float(inp.job["peak_gemm"])
-    mem_total = float(out["mem_total"][i])
+    mem_total = float(out["memory.total"][i])
     limit = inp.memory_limit_bytes
     tokens = prob.job.tokens_per_step
     return {
@@ -123,12 +119,6 @@ def plan_report(plan: Plan, out: dict, i: int, inp: Inputs) -> dict:
         "time_breakdown_s": {k: float(out[v][i]) for k, v in TIME_KEYS.items()},
         "micro_batches": int(round(float(out["micro_batches"][i]))),
     }
-
-
-def score_plans(plans: list[Plan], inp: Inputs, params: EfficiencyParams) -> list[dict]:
-    batch = PlanBatch.from_plans(plans)
-    out = score_full(batch, inp, params)
-    return [plan_report(p, out, i, inp) for i, p in enumerate(plans)]
 
 
 def block_until_ready(x):

@@ -66,9 +66,9 @@ def _outputs(u, plan, model, hw, job, params):
     for j, f in enumerate(EfficiencyParams._fields):
         pd[f] = pd[f] * scale[off + j]
     out = cm.evaluate(plan, model, hw, job, EfficiencyParams(**pd))
-    head = jnp.stack([jnp.log(out["step_time_s"][0]), jnp.log(out["tokens_per_s"][0]),
-                      jnp.log(out["mem_total"][0])])
-    terms = jnp.stack([out[TIME_KEYS[t]][0] for t in TERMS])
+    head = jnp.stack([jnp.log(out.step_time_s[0]), jnp.log(out.tokens_per_s[0]),
+                      jnp.log(out.memory.total[0])])
+    terms = jnp.stack([getattr(out.time, t)[0] for t in TERMS])
     vec = jnp.concatenate([head, terms])
     return vec, vec
 

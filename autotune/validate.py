@@ -118,6 +118,19 @@ class RowCase:
     measured_tokens_per_s_per_gpu: float | None
 
 
+def is_nemo_recipe(row: dict) -> bool:
+    """A run of NVIDIA's NeMo / Megatron-Bridge benchmark recipes (their published performance tables)."""
+    src = row.get("source") or {}
+    text = f"{src.get('title', '')} {src.get('url', '')}".lower()
+    return "nemo" in text or "megatron-bridge" in text
+
+
+def _fp8_param_recipe(row: dict) -> bool:
+    """MXFP8 and delayed scaling keep fp8 primary weights in the recipes; current scaling does not."""
+    prec = str((row.get("plan") or {}).get("precision") or "").lower()
+    return "mx" in prec or "delayed" in prec
+
+
 _YEAR = re.compile(r"\b(20[0-4]\d)\b")
 
 
@@ -177,10 +190,16 @@ def case_from_row(row: dict) -> RowCase:
     cluster = build_cluster(gpu=gpu_key, num_gpus=int(n),
                             gpus_per_node=int(hw["gpus_per_node"]) if hw.get("gpus_per_node") else None)
     modern = framework_is_modern(row)
+    recipe = is_nemo_recipe(row)
     framework = FrameworkSpec(
         framework=Framework.DEEPSPEED if plan.get("zero_key") == 2 else Framework.MEGATRON,
         attention_backend=AttentionBackend.FLASH if modern else AttentionBackend.UNFUSED,
-        tp_comm_overlap=modern)
+        tp_comm_overlap=modern,
+        # NeMo / Megatron-Bridge benchmark recipes reduce gradients in bf16 (perf_recipes/_common.py
+        # sets grad_reduce_in_fp32=False); Megatron-LM's own default with bf16 is fp32
+        grad_reduce_in_fp32=not recipe,
+        # their delayed-scaling and MXFP8 recipes gather fp8 primary weights (mixed_precision.py)
+        fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row))
     job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision,
                   framework=framework)
     fixed, filled = {}, []

@@ -46,6 +46,7 @@ def encode_model(m: ModelSpec) -> dict:
         q_down_n=q_down_n, q_up_n=q_up_n, q_up_k=q_up_k, kv_down_n=kv_down_n, kv_up_n=kv_up_n,
         kv_up_k=kv_up_k, attn_out_k=a * attn_v_dim,
         attn_act_sharded=attn_act_sharded, attn_act_repl=attn_act_repl,
+        hidden_dropout=m.hidden_dropout,
         kv_exchange_elems=kv_exchange_elems,
         attn_params=m.attention_params(),
         dense_mlp_params=m.mlp_params(m.ffn_hidden_size),
@@ -81,6 +82,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         low_precision=float(prec in (Precision.FP8, Precision.FP4)),
         flash=float(j.flash_attention),
         tp_overlap=float(j.tp_comm_overlap),
+        grad_bytes=j.framework.grad_bytes_per_param,
+        fp8_param=float(j.framework.fp8_param_gather),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
     )
     return {k: np.float32(v) for k, v in vals.items()}

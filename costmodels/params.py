@@ -26,7 +26,6 @@ class EfficiencyParams(NamedTuple):
     elementwise_bytes_f: float = 7.124    # bytes moved per token per FFN unit per layer fwd (activation fn)
     lp_cast_bytes: float = 0.8239          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
     kernel_overhead_s: float = 2.853e-05     # launch + tail per kernel (dominates small models)
-    kernels_per_layer: float = 14     # kernels per layer forward (backward ~2x)
     # --- communication ---
     intra_bw_eff: float = 0.9045          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
     inter_bw_eff: float = 0.4541          # achieved NIC bandwidth fraction
@@ -40,13 +39,8 @@ class EfficiencyParams(NamedTuple):
     microbatch_overhead_s: float = 0.00284 # per micro-batch host work (data, schedule bookkeeping)
     collective_latency_s: float = 6.276e-05  # fixed launch + synchronization cost of one NCCL collective
     zero3_bw_eff: float = 0.1829           # ZeRO-3/FSDP per-layer gathers: fraction of the bus bandwidth reached
-    optimizer_bytes_per_param: float = 30  # Adam step bytes moved per local param (fp32 master, m, v r/w; grad; param)
     # --- memory ---
-    mem_fixed_bytes: float = 3e+09      # CUDA context, framework, NCCL buffers per GPU
-    mem_fragmentation: float = 1.03     # allocator overhead factor on dynamic memory
-    logits_bytes_per_elem: float = 6  # bytes per logit kept for the loss (bf16 logits + fp32 copy)
-    grad_bytes_per_param: float = 2   # bf16 main gradients (NeMo/Megatron-Core default grad_reduce_in_fp32=False)
-    low_precision_weight_bytes: float = 1  # extra cached fp8/fp4 weight copy per param (Transformer Engine)
+    mem_fragmentation: float = 1.01     # allocator overhead on dynamic memory (expandable_segments, as NeMo recipes set)
 
 
 #: Physical ranges (low, high) of every field; calibration stays inside them.
@@ -54,19 +48,14 @@ PARAM_BOUNDS = {
     "gemm_eff_max": (0.55, 0.92), "gemm_eff_max_fp8": (0.4, 0.9), "gemm_dim_half": (1.0, 512.0),
     "attn_eff_max": (0.15, 0.9), "attn_seq_half": (16.0, 4096.0), "attn_bwd_ratio": (1.5, 4.0),
     "hbm_eff": (0.3, 0.95), "softmax_bytes_per_score": (8.0, 32.0), "elementwise_bytes_h": (4.0, 96.0), "elementwise_bytes_f": (1.0, 32.0),
-    "kernel_overhead_s": (0.0, 5e-5), "lp_cast_bytes": (0.0, 24.0), "kernels_per_layer": (4.0, 60.0),
+    "kernel_overhead_s": (0.0, 5e-5), "lp_cast_bytes": (0.0, 24.0),
     "intra_bw_eff": (0.3, 0.95), "inter_bw_eff": (0.3, 0.95), "tp_comm_overlap": (0.0, 0.95),
     "dp_overlap": (0.0, 1.0), "cp_overlap": (0.0, 1.0), "pp_overlap": (0.0, 1.0),
     "ep_overlap": (0.0, 0.95), "moe_imbalance": (1.0, 2.0), "step_overhead_s": (0.0, 1.0),
-    "optimizer_bytes_per_param": (16.0, 64.0), "microbatch_overhead_s": (0.0, 0.05),
-    "collective_latency_s": (0.0, 2e-4), "zero3_bw_eff": (0.05, 1.0), "mem_fixed_bytes": (0.5e9, 8e9),
-    "mem_fragmentation": (1.0, 1.5), "logits_bytes_per_elem": (2.0, 16.0),
-    "grad_bytes_per_param": (2.0, 4.0), "low_precision_weight_bytes": (0.0, 4.0),
+    "microbatch_overhead_s": (0.0, 0.05),
+    "collective_latency_s": (0.0, 2e-4), "zero3_bw_eff": (0.05, 1.0),
+    "mem_fragmentation": (1.0, 1.5),
 }
-
-
-def default_params() -> EfficiencyParams:
-    return EfficiencyParams()
 
 
 def params_as_arrays(p: EfficiencyParams) -> EfficiencyParams:
@@ -99,10 +88,9 @@ def load_params_file(path: str) -> tuple[EfficiencyParams, dict]:
 LITERATURE_PRIOR = EfficiencyParams(
     gemm_eff_max=0.80, gemm_eff_max_fp8=0.62, gemm_dim_half=48.0, attn_eff_max=0.55, attn_seq_half=256.0,
     attn_bwd_ratio=2.5, softmax_bytes_per_score=13.0, hbm_eff=0.75, elementwise_bytes_h=24.0,
-    elementwise_bytes_f=6.0, lp_cast_bytes=6.0, kernel_overhead_s=5e-6, kernels_per_layer=14.0,
+    elementwise_bytes_f=6.0, lp_cast_bytes=6.0, kernel_overhead_s=5e-6,
     intra_bw_eff=0.75, inter_bw_eff=0.80, tp_comm_overlap=0.6, dp_overlap=0.8, cp_overlap=0.9,
     pp_overlap=0.5, ep_overlap=0.0, moe_imbalance=1.05, step_overhead_s=0.02, microbatch_overhead_s=2e-3,
-    collective_latency_s=1.5e-5, zero3_bw_eff=0.5, optimizer_bytes_per_param=30.0, mem_fixed_bytes=3.0e9,
-    mem_fragmentation=1.03, logits_bytes_per_elem=6.0, grad_bytes_per_param=2.0,
-    low_precision_weight_bytes=1.0,
+    collective_latency_s=1.5e-5, zero3_bw_eff=0.5,
+    mem_fragmentation=1.03,
 )

@@ -297,7 +297,20 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
         fields_ |= _moe_layout(moe, fields_["num_layers"], where) if moe else {"num_experts": 0}
     if fields_.get("num_experts", 0) == 0:               # dense: drop MoE fields a config may carry
         fields_ = {k: v for k, v in fields_.items() if k not in _MOE_FIELDS}
+    fields_["hidden_dropout"] = _dropout(cfg, model_type, where)
     return ModelSpec(name=name, source=source, **fields_)
+
+
+def _dropout(cfg: dict, model_type: str, where: str) -> float:
+    """Residual (hidden) dropout: GPT-2's resid_pdrop (transformers' default 0.1), else
+    hidden_dropout (absent in Llama-style configs: no dropout)."""
+    key, default = ("resid_pdrop", 0.1) if model_type == "gpt2" else ("hidden_dropout", 0.0)
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise SpecError("model", f"{where}: '{key}' must be a probability in [0, 1), got {value!r}")
+    return float(value)
 
 
 def _model_name_from_path(path: Path) -> str:

@@ -93,6 +93,8 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Megatron --hidden-dropout (its default is 0.1; Llama-style recipes set 0): dropout masks are kept
+    hidden_dropout: float = 0.0
     source: str = ""
 
     def __post_init__(self):

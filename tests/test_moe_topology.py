@@ -100,7 +100,7 @@ def test_ring_attention_exchange_matches_hand_computation():
     raw = (2 - 1) * (kv_bytes / float(bw) + float(lat))
     per_layer = raw + 2 * raw                             # forward, backward (K, V and their grads)
     m = 8 / (4 * 1)
-    assert float(out["t_cp_comm_s"][0]) == pytest.approx(m * 32 * per_layer, rel=1e-4)
+    assert float(out["time.cp_comm"][0]) == pytest.approx(m * 32 * per_layer, rel=1e-4)
 
 
 # ------------------------------------------------------------------ topology placement
@@ -148,7 +148,9 @@ def api_explanation(res, problem):
 def test_dp_across_sites_is_much_slower_than_pp_across_sites(two_sites):
     pp_plan = predict(two_sites, Plan(tp=8, pp=2, dp=64, mbs=1, sp=True, zero=1, recompute=Recompute.FULL))
     dp_plan = predict(two_sites, Plan(tp=8, pp=1, dp=128, mbs=1, sp=True, zero=1, recompute=Recompute.FULL))
-    assert dp_plan["time_breakdown_s"]["dp_comm"] > 10 * pp_plan["time_breakdown_s"]["dp_comm"]
+    # all gradients over the WAN vs inside each site (fp32 gradient reduction, Megatron's default,
+    # in both)
+    assert dp_plan["time_breakdown_s"]["dp_comm"] > 5 * pp_plan["time_breakdown_s"]["dp_comm"]
     assert pp_plan["step_time_s"] < dp_plan["step_time_s"]
 
 
@@ -190,7 +192,7 @@ def test_more_ep_never_raises_expert_weight_memory(mixtral, i):
     if not legal:
         return
     out = score_full(PlanBatch.from_plans([plan] + legal), Inputs(mixtral), E)
-    w = out["mem_weights"]
+    w = out["memory.weights"]
     assert all(w[k] <= w[0] * (1 + 1e-6) for k in range(1, len(w)))
 
 
@@ -203,8 +205,8 @@ def test_a_faster_wan_is_never_slower(two_sites, i, k):
     hw = encode_cluster(two_sites.cluster)
     job = encode_job(two_sites.job, two_sites.cluster)
     faster = dict(hw, wan_bw=np.float32(hw["wan_bw"] * k))
-    t0 = float(cm.evaluate_jit(sub.arrays, m, hw, job, E)["step_time_s"][0])
-    t1 = float(cm.evaluate_jit(sub.arrays, m, faster, job, E)["step_time_s"][0])
+    t0 = float(cm.evaluate_jit(sub.arrays, m, hw, job, E).step_time_s[0])
+    t1 = float(cm.evaluate_jit(sub.arrays, m, faster, job, E).step_time_s[0])
     assert t1 <= t0 * (1 + 1e-5)
 
 

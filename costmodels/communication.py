@@ -1,0 +1,133 @@
+"""Communication of each parallelism, on top of the collective costs of `collectives.py`.
+
+Per layer and micro-batch: TP (and expert-TP) collectives, the CP ring exchange, the MoE
+all-to-alls. Per step: pipeline p2p and the data-parallel gradient / parameter collectives.
+Symbols as in compute.py; groups are placed TP innermost, then CP, EP/DP, PP outermost.
+
+Sources
+  [N21] Narayanan et al. 2021, sec. 2.2-2.3 (TP all-reduces; pipeline p2p), sec. 4.1 (scatter/
+        gather of the p2p tensor over the TP group).
+  [K22] Korthikanti et al. 2022, sec. 4.2.2: with SP, all-gather + reduce-scatter of the same volume.
+  [RA]  Liu et al. 2023, Ring Attention; Megatron-Core CP: cp-1 KV block exchanges per layer,
+        overlapped with the attention of the previous block.
+  [GS]  GShard / Megatron-Core MoE: dispatch + combine all-to-all per MoE layer forward, the same
+        backward.
+  [Z20] Rajbhandari et al. 2020 (ZeRO): stage 1/2 reduce-scatter + all-gather; stage 3 gathers
+        parameters for forward and backward and reduce-scatters gradients (1.5x the traffic).
+  [MG]  Megatron-LM distributed optimizer: reduce-scatter of gradients, all-gather of parameters,
+        overlapped with backward / forward (--overlap-grad-reduce / --overlap-param-gather).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from . import collectives as C
+from .compute import ACT_BYTES, LayerTimes, LayerWork, Shapes
+from .params import EfficiencyParams
+
+#: parameters move in bf16 when ZeRO / the distributed optimizer gathers them
+PARAM_GATHER_BYTES = 2.0
+
+
+def _links(e: EfficiencyParams):
+    return (e.intra_bw_eff, e.inter_bw_eff)
+
+
+class LayerComm(NamedTuple):
+    """Exposed communication of one layer forward, per micro-batch (s)."""
+    tp_pair: object          # one all-reduce (or AG + RS pair) of the activations over TP
+    tp_dense: object         # a dense layer's TP collectives, after overlap with its GEMMs
+    tp_moe: object           # an MoE layer's: the attention pair + expert-TP reduce-scatters
+    cp_fwd: object
+    cp_bwd: object
+    ep_fwd: object           # dispatch + combine
+
+
+def layer_comm(S: Shapes, w: LayerWork, M: dict, H: dict, J: dict, e: EfficiencyParams) -> LayerComm:
+    link, lat, h = _links(e), e.collective_latency_s, M["hidden"]
+    act_bytes = S.tokens * h * ACT_BYTES
+    # TP [N21 sec 2.3, K22 sec 4.2.2]: 2 all-reduces per layer forward, or with SP 2 all-gathers +
+    # 2 reduce-scatters of the same volume; MoE layers keep only the attention block's pair. With
+    # SP and TE userbuffers (--tp-comm-overlap) the collectives run in chunks under the
+    # neighbouring GEMMs: a fraction hides, bounded by the GEMM time itself.
+    tp_pair = C.all_reduce_s(act_bytes, S.tp, 1.0, H, link, lat)
+    can_overlap = J["tp_overlap"] * S.sp
+
+    def exposed(t_comm, t_gemm):
+        return t_comm - can_overlap * jnp.minimum(e.tp_comm_overlap * t_comm, t_gemm)
+
+    tp_dense = exposed(2.0 * tp_pair, w.attn_proj + w.mlp_dense)
+    etp_bytes = S.routed_tokens * S.etp * h * ACT_BYTES
+    t_etp = 2.0 * C.reduce_scatter_s(etp_bytes, S.etp, 1.0, H, link, lat)
+    tp_moe = exposed(tp_pair + t_etp, w.attn_proj + w.mlp_moe)
+    # CP ring attention [RA]: cp-1 exchanges of this rank's K,V block, hidden under attention
+    kv_bytes = S.tokens * M["kv_exchange_elems"] / jnp.minimum(S.tp, M["kv_heads"]) * ACT_BYTES
+    cp_bw, cp_lat = C.group_link(S.cp, S.tp, H, link)
+    cp_raw = jnp.where(S.cp > 1, (S.cp - 1.0) * (kv_bytes / cp_bw + cp_lat), 0.0)
+    cp_fwd = jnp.maximum(cp_raw - e.cp_overlap * w.attn_core, (1.0 - e.cp_overlap) * cp_raw)
+    cp_bwd = jnp.maximum(2.0 * cp_raw - e.cp_overlap * e.attn_bwd_ratio * w.attn_core,
+                         (1.0 - e.cp_overlap) * 2.0 * cp_raw)
+    # EP [GS]: dispatch + combine all-to-all per MoE layer forward (and the same backward)
+    a2a_bytes = S.routed_tokens * h * ACT_BYTES
+    ep_fwd = 2.0 * C.all_to_all_s(a2a_bytes, S.ep, S.etp, H, link, lat) * (1.0 - e.ep_overlap) * S.is_moe
+    return LayerComm(tp_pair, tp_dense, tp_moe, cp_fwd, cp_bwd, ep_fwd)
+
+
+def pipeline_p2p_s(S: Shapes, M: dict, H: dict, slowest_stage_s, e: EfficiencyParams):
+    """Send/recv of the activations at every stage boundary, per micro-batch and virtual chunk,
+    forward and backward, plus the pipeline fill; hidden under compute except the share that
+    cannot overlap [N21 sec. 2.2, 4.1: only 1/tp of the tensor crosses, then an all-gather]."""
+    pp, v, m = S.pp, S.vpp, S.micro_batches
+    p2p_bytes = S.tokens * M["hidden"] * ACT_BYTES / S.tp
+    t_p2p = C.p2p_s(p2p_bytes, S.tp * S.cp * S.dp, pp, H, _links(e))
+    n_p2p = 2.0 * v * m + 2.0 * (pp - 1.0)
+    chunk_fb = slowest_stage_s / v
+    t = n_p2p * t_p2p * (1.0 - e.pp_overlap) + 2.0 * v * m * jnp.maximum(t_p2p - chunk_fb, 0.0) * e.pp_overlap
+    return t * (pp > 1).astype(jnp.float32)
+
+
+class DataParallelGroups(NamedTuple):
+    dense: object            # ranks that reduce dense gradients: dp * cp
+    expert: object           # ranks that reduce expert gradients: tp*cp*dp / (ep*etp) (folding)
+
+
+def dp_groups(S: Shapes) -> DataParallelGroups:
+    return DataParallelGroups(S.dp * S.cp, S.tp * S.cp * S.dp / (S.ep * S.etp))
+
+
+def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_expert, layers,
+                    lt: LayerTimes, stage_layers_s, H: dict, grad_bytes, e: EfficiencyParams):
+    """Exposed gradient / parameter traffic per step of the stage with most parameters.
+
+    ZeRO 0: all-reduce of gradients, overlapped with the last micro-batch's backward. ZeRO 1/2
+    (distributed optimizer): reduce-scatter under the last backward + all-gather under the first
+    forward [MG, Z20]. ZeRO 3 / FSDP: per micro-batch two gathers of parameters (forward,
+    backward) and a reduce-scatter of gradients, layer by layer (many smaller collectives that
+    compete with compute for SMs: zero3_bw_eff); with prefetch they hide under the layers' work
+    except about two layers' worth (the first gather, the last reduce-scatter)."""
+    link, lat = _links(e), e.collective_latency_s
+    moe_on = S.is_moe                                        # dense models have no expert grads
+    pd, pe = params_dense, params_expert
+    ar = C.all_reduce_s(grad_bytes * pd, groups.dense, S.tp, H, link, lat) \
+        + moe_on * C.all_reduce_s(grad_bytes * pe, groups.expert, S.ep * S.etp, H, link, lat)
+    rs = C.reduce_scatter_s(grad_bytes * pd, groups.dense, S.tp, H, link, lat) \
+        + moe_on * C.reduce_scatter_s(grad_bytes * pe, groups.expert, S.ep * S.etp, H, link, lat)
+    ag = C.all_gather_s(PARAM_GATHER_BYTES * pd, groups.dense, S.tp, H, link, lat) \
+        + moe_on * C.all_gather_s(PARAM_GATHER_BYTES * pe, groups.expert, S.ep * S.etp, H, link, lat)
+    fm = S.frac_moe
+    win_b = layers * ((1.0 - fm) * lt.bwd_dense + fm * lt.bwd_moe)    # last micro-batch backward
+    win_f = layers * ((1.0 - fm) * lt.fwd_dense + fm * lt.fwd_moe)    # first micro-batch forward
+
+    def exposed(t, window):
+        return t - jnp.minimum(e.dp_overlap * t, window)
+
+    m = S.micro_batches
+    z0 = exposed(ar, win_b)
+    z12 = exposed(rs, win_b) + exposed(ag, win_f)
+    t_z3 = m * (2.0 * ag + rs) / e.zero3_bw_eff
+    # the window is the layers' work only: the embedding and output layer come before the first
+    # gather and after the last reduce-scatter, and compute already hides TP/CP traffic
+    z3 = jnp.maximum(t_z3 - m * stage_layers_s, 2.0 * t_z3 / (m * layers))
+    return jnp.where(S.zero == 0, z0, jnp.where(S.zero >= 3, z3, z12))

@@ -1,0 +1,269 @@
+"""Compute of one transformer layer per micro-batch on one GPU: GEMMs, attention, MoE, memory-bound
+work and kernel launches. Pure, branch-free JAX over a batch of plans.
+
+Symbols (per micro-batch, per GPU unless said otherwise)
+  h hidden, a heads, f FFN hidden, V vocab, s sequence, b micro-batch, T = b*s/cp tokens on this
+  context-parallel rank, T_elem the tokens of replicated (norm/residual) work (T/tp with SP),
+  E experts, k experts per token, f_e expert FFN, f_s shared-expert FFN, m = B/(dp*b) micro-batches.
+
+Sources
+  [N21] Narayanan et al. 2021 (SC'21), appendix: GEMM FLOPs of a layer; sec. 3.2.
+  [K22] Korthikanti et al. 2022, sec. 4.1: unfused attention stores and moves s x s scores.
+  [FA]  Dao 2023, FlashAttention-2: causal attention does half the s^2 work; backward ~2.5x forward.
+  [DS]  DeepSeek-V2 (2024) sec. 2.1: multi-head latent attention projections.
+  [GS]  Lepikhin et al. 2020 (GShard) / Megatron-Core MoE: tokens dispatched k times; EP shards
+        experts, ETP shards each expert's FFN.
+  [TE]  Transformer Engine fp8: inputs of every GEMM are cast (and transposed for wgrad).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from .params import EfficiencyParams
+
+#: kernels an MoE layer launches beyond a dense one: router GEMM, softmax/top-k, (un)permute,
+#: all-to-all preparation (Megatron-Core token dispatcher)
+MOE_EXTRA_KERNELS = 10.0
+#: bytes per routed token per hidden unit for (un)permuting tokens: read + write, to and from the
+#: expert order, bf16 (Megatron-Core moe_utils.permute / unpermute)
+PERMUTE_BYTES_PER_H = 4.0 * 2.0
+#: bytes per token per expert of the router: logits, softmax and top-k over E experts (fp32 read
+#: and write), bf16 elements
+ROUTER_BYTES_PER_EXPERT = 4.0 * 2.0
+#: kernels a dense layer launches forward with Transformer Engine (norms, GEMMs, attention, rope,
+#: activation, residuals, casts); backward launches about twice as many
+KERNELS_PER_LAYER = 14.0
+#: activations move in bf16
+ACT_BYTES = 2.0
+
+
+def saturate(x, half):
+    """Saturating efficiency x/(x+half): 0 for tiny dims, -> 1 for large ones."""
+    return x / (x + half)
+
+
+def gemm_s(m, n, k, peak, elem_bytes, hbm_bw, eff_max, e: EfficiencyParams):
+    """One GEMM [m x k] @ [k x n]: roofline of compute at a size-dependent efficiency and HBM traffic."""
+    flops = 2.0 * m * n * k
+    eff = eff_max * saturate(m, e.gemm_dim_half) * saturate(n, e.gemm_dim_half) * saturate(k, e.gemm_dim_half)
+    t_compute = flops / (peak * jnp.maximum(eff, 1e-6))
+    t_memory = elem_bytes * (m * k + k * n) / (hbm_bw * e.hbm_eff) + 2.0 * m * n / (hbm_bw * e.hbm_eff)
+    return jnp.where(flops > 0, jnp.maximum(t_compute, t_memory), 0.0)
+
+
+class RecomputeModules(NamedTuple):
+    """Megatron-Core --recompute-modules of a selective plan, one 0/1 array each (0 unless
+    recompute=selective); the order is costmodels.plan.RECOMPUTE_MODULES."""
+    core_attn: object
+    layernorm: object
+    mlp: object
+    moe_act: object
+    moe: object
+    shared_experts: object
+    mla_up_proj: object
+
+
+def recompute_modules(P: dict) -> RecomputeModules:
+    """Bits of the plan's module mask; selective without modules is Megatron's default, core_attn."""
+    sel = (P["recompute"] == 1).astype(jnp.float32)
+    mask = jnp.where(P["recompute_modules"] > 0, P["recompute_modules"], 1.0)
+    bits = [jnp.floor(mask / 2.0 ** i) % 2.0 for i in range(len(RecomputeModules._fields))]
+    return RecomputeModules(*(sel * b for b in bits))
+
+
+class Shapes(NamedTuple):
+    """Per-plan quantities every term reads (arrays over candidates)."""
+    tp: object
+    pp: object
+    dp: object
+    cp: object
+    ep: object
+    etp: object
+    vpp: object
+    mbs: object
+    sp: object
+    zero: object
+    rec_sel: object          # 1 with selective recompute
+    rec_full: object         # 1 with full recompute
+    rec_mod: RecomputeModules  # which modules selective recompute replays
+    micro_batches: object    # m = B / (dp * b)
+    tokens: object           # T = b * s / cp
+    tokens_elem: object      # T/tp with SP, else T
+    routed_tokens: object    # routed token copies per GPU: T/tp * k * imbalance
+    expert_tokens: object    # m_e: tokens each local expert sees
+    is_moe: object           # 1 for a Mixture-of-Experts model
+    frac_moe: object         # share of layers that are MoE
+    is_mla: object           # 1 for multi-head latent attention
+
+
+def shapes(P: dict, M: dict, J: dict, e: EfficiencyParams) -> Shapes:
+    tp, dp, cp, ep, etp, b = P["tp"], P["dp"], P["cp"], P["ep"], P["etp"], P["mbs"]
+    T = b * J["seq_len"] / cp
+    routed = T / tp * M["top_k"] * e.moe_imbalance
+    return Shapes(
+        tp=tp, pp=P["pp"], dp=dp, cp=cp, ep=ep, etp=etp, vpp=P["vpp"], mbs=b, sp=P["sp"], zero=P["zero"],
+        rec_sel=(P["recompute"] == 1).astype(jnp.float32), rec_full=(P["recompute"] == 2).astype(jnp.float32),
+        rec_mod=recompute_modules(P),
+        micro_batches=J["global_batch"] / (dp * b), tokens=T, tokens_elem=jnp.where(P["sp"] > 0, T / tp, T),
+        routed_tokens=routed, expert_tokens=routed * ep * etp / jnp.maximum(M["experts"], 1.0),
+        is_moe=(M["experts"] > 0).astype(jnp.float32), frac_moe=M["moe_layers"] / M["layers"],
+        is_mla=(M["q_down_n"] + M["kv_down_n"] > 0).astype(jnp.float32))
+
+
+class LayerWork(NamedTuple):
+    """Forward time of one layer's parts, per micro-batch (s)."""
+    attn_proj: object        # QKV (or MLA down/up) and output projections
+    attn_core: object        # softmax(QK^T)V
+    mla_up: object           # MLA up-projections (what mla_up_proj recompute replays)
+    mlp_dense: object
+    mlp_moe: object          # routed experts + shared experts + router GEMM
+    mlp_moe_shared: object   # the shared experts' part of mlp_moe
+    elem_attn: object        # memory-bound work around attention (norms, residual, rope, casts)
+    elem_dense: object       # activation function of a dense MLP (+ fp8 casts)
+    elem_moe: object         # expert activations, (un)permute, router softmax/top-k (+ fp8 casts)
+    kernels_dense: object    # launch + tail of a dense layer's kernels
+    kernels_moe: object
+
+
+def _gemm(S: Shapes, H: dict, J: dict, e: EfficiencyParams):
+    eff_max = jnp.where(J["low_precision"] > 0, e.gemm_eff_max_fp8, e.gemm_eff_max)
+
+    def gemm(m, n, k):
+        return gemm_s(m, n, k, J["peak_gemm"], J["gemm_bytes"], H["hbm_bw"], eff_max, e)
+    return gemm
+
+
+def attention_projections_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
+    """QKV and output projections [N21 appendix]; MLA down-projections are replicated across TP
+    and the up-projections sharded [DS sec. 2.1]."""
+    gemm, T, tp, h = _gemm(S, H, J, e), S.tokens, S.tp, M["hidden"]
+    return (gemm(T, M["q_down_n"], h) + gemm(T, M["kv_down_n"], h)
+            + gemm(T, M["q_up_n"] / tp, M["q_up_k"]) + gemm(T, M["kv_up_n"] / tp, M["kv_up_k"])
+            + gemm(T, h, M["attn_out_k"] / tp))
+
+
+def mla_up_projections_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
+    gemm, T, tp = _gemm(S, H, J, e), S.tokens, S.tp
+    return S.is_mla * (gemm(T, M["q_up_n"] / tp, M["q_up_k"]) + gemm(T, M["kv_up_n"] / tp, M["kv_up_k"]))
+
+
+def attention_core_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
+    """Causal attention: each query sees s/2 keys on average (also per CP rank with 2*cp
+    load-balanced chunks); fused kernels run on bf16 tensor cores [FA]. Unfused attention computes
+    the whole s x s score matrix with batched GEMMs and memory-bound scale/mask/softmax/dropout
+    kernels [K22 sec. 4.1]."""
+    s, T = J["seq_len"], S.tokens
+    heads_local = M["heads"] / S.tp
+    flops = 2.0 * T * (s / 2.0) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
+    t_fused = flops / (H["peak_bf16"] * e.attn_eff_max * saturate(s / S.cp, e.attn_seq_half))
+    scores = T * s * heads_local
+    t_unfused = (2.0 * flops / (H["peak_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
+                 + scores * e.softmax_bytes_per_score / (H["hbm_bw"] * e.hbm_eff))
+    return jnp.where(J["flash"] > 0, t_fused, t_unfused)
+
+
+def dense_mlp_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
+    """fc1 (two matrices when gated) and fc2, column/row parallel over TP."""
+    gemm, T, tp, f, h = _gemm(S, H, J, e), S.tokens, S.tp, M["ffn"], M["hidden"]
+    return gemm(T, f * (1.0 + M["gated"]) / tp, h) + gemm(T, h, f / tp)
+
+
+def moe_mlp_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
+    """[GS] The EP rank holds E/ep experts, each sees m_e tokens (the busiest rank's share); ETP
+    shards the expert FFN. Shared experts run on all T tokens, TP-sharded; the router is a
+    [T/tp x h] @ [h x E] GEMM."""
+    gemm, T, tp, h, g = _gemm(S, H, J, e), S.tokens, S.tp, M["hidden"], M["gated"]
+    n_local = jnp.maximum(M["experts"], 1.0) / S.ep
+    fe, sf, m_e = M["expert_ffn"], M["shared_ffn"], S.expert_tokens
+    experts = n_local * (gemm(m_e, fe * (1.0 + g) / S.etp, h) + gemm(m_e, h, fe / S.etp))
+    shared = gemm(T, sf * (1.0 + g) / tp, h) + gemm(T, h, sf / tp)
+    router = gemm(T / tp, M["experts"], h)
+    return (experts + shared + router) * S.is_moe, shared * S.is_moe
+
+
+def elementwise_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
+    """Memory-bound work at HBM bandwidth: (attention part, dense MLP part, MoE part). fp8/fp4
+    GEMMs cast (and transpose) their inputs [TE]: lp_cast_bytes per GEMM-input element."""
+    bw = H["hbm_bw"] * e.hbm_eff
+    T, Te, tp, h = S.tokens, S.tokens_elem, S.tp, M["hidden"]
+    f, fe, sf, routed = M["ffn"], M["expert_ffn"], M["shared_ffn"], S.routed_tokens
+    lp = J["low_precision"] * e.lp_cast_bytes
+    attn = (Te * h * e.elementwise_bytes_h + lp * (Te * h + T * M["attn_out_k"] / tp)) / bw
+    dense = (T * f / tp * e.elementwise_bytes_f + lp * (Te * h + T * f / tp)) / bw
+    moe = (routed * fe * e.elementwise_bytes_f + T / tp * sf * e.elementwise_bytes_f
+           + PERMUTE_BYTES_PER_H * routed * h + ROUTER_BYTES_PER_EXPERT * T / tp * M["experts"]
+           + lp * (2.0 * routed * h + routed * fe)) / bw
+    return attn, dense, moe
+
+
+def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> LayerWork:
+    elem_attn, elem_dense, elem_moe = elementwise_s(S, M, H, J, e)
+    mlp_moe, mlp_moe_shared = moe_mlp_s(S, M, H, J, e)
+    kern = KERNELS_PER_LAYER * e.kernel_overhead_s
+    return LayerWork(
+        attn_proj=attention_projections_s(S, M, H, J, e), attn_core=attention_core_s(S, M, H, J, e),
+        mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=dense_mlp_s(S, M, H, J, e),
+        mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, elem_dense=elem_dense, elem_moe=elem_moe,
+        kernels_dense=kern, kernels_moe=kern + MOE_EXTRA_KERNELS * e.kernel_overhead_s)
+
+
+class LayerTimes(NamedTuple):
+    """Forward and backward compute of a dense and of an MoE layer, per micro-batch (s)."""
+    fwd_dense: object
+    fwd_moe: object
+    bwd_dense: object
+    bwd_moe: object
+
+
+def layer_times(w: LayerWork, e: EfficiencyParams) -> LayerTimes:
+    """Backward: two GEMMs (dgrad, wgrad) per forward GEMM and twice the memory-bound work; fused
+    attention backward ~2.5x its forward [FA]; every kernel has a backward counterpart pair."""
+    fwd_dense = w.attn_proj + w.attn_core + w.mlp_dense + w.elem_attn + w.elem_dense + w.kernels_dense
+    fwd_moe = w.attn_proj + w.attn_core + w.mlp_moe + w.elem_attn + w.elem_moe + w.kernels_moe
+    bwd_dense = 2.0 * (fwd_dense - w.attn_core - w.kernels_dense) + e.attn_bwd_ratio * w.attn_core \
+        + 2.0 * w.kernels_dense
+    bwd_moe = 2.0 * (fwd_moe - w.attn_core - w.kernels_moe) + e.attn_bwd_ratio * w.attn_core + 2.0 * w.kernels_moe
+    return LayerTimes(fwd_dense, fwd_moe, bwd_dense, bwd_moe)
+
+
+#: share of a layer's memory-bound attention-side work that is its two norms (RMSNorm/LayerNorm
+#: read + write h per token each, of the ~11 bytes/h moved by norms, residuals, rope and casts)
+NORM_SHARE_OF_ELEMENTWISE = 0.5
+
+
+def selective_recompute_s(S: Shapes, w: LayerWork):
+    """What selective recomputation replays per layer, module by module (Megatron-Core
+    --recompute-modules; [K22 sec. 5] is core_attn): core attention, the norms, the dense MLP,
+    the MoE activation function, the whole MoE layer (with its dispatch all-to-all), the shared
+    experts, MLA's up-projections. Averaged over dense and MoE layers; the collectives replayed
+    with them are charged in communication terms."""
+    r, fm = S.rec_mod, S.frac_moe
+    shared = w.mlp_moe_shared
+    moe_block = w.mlp_moe + w.elem_moe                   # mlp_moe includes the shared experts
+    return (r.core_attn * w.attn_core + r.layernorm * NORM_SHARE_OF_ELEMENTWISE * w.elem_attn
+            + r.mla_up_proj * w.mla_up
+            + (1.0 - fm) * r.mlp * (w.mlp_dense + w.elem_dense)
+            + fm * (r.moe * moe_block + (1.0 - r.moe) * (r.moe_act * w.elem_moe + r.shared_experts * shared)))
+
+
+#: bytes moved per logit by the fp32 softmax cross-entropy: 4 passes over fp32 values
+LOSS_BYTES_PER_LOGIT = 4.0 * 4.0
+#: bytes per token per hidden unit of the embedding: bf16 lookup (2) + fp32 scatter-add of its
+#: gradient (4)
+EMBEDDING_BYTES_PER_H = 2.0 + 4.0
+
+
+class HeadWork(NamedTuple):
+    logits_fwd: object       # output-layer GEMM forward
+    loss: object             # softmax cross-entropy over the vocabulary
+    embedding: object        # lookup forward + gradient scatter
+
+
+def head_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> HeadWork:
+    gemm, T, tp = _gemm(S, H, J, e), S.tokens, S.tp
+    bw = H["hbm_bw"] * e.hbm_eff
+    return HeadWork(logits_fwd=gemm(T, M["vocab"] / tp, M["hidden"]),
+                    loss=T * M["vocab"] / tp * LOSS_BYTES_PER_LOGIT / bw,
+                    embedding=T * M["hidden"] * EMBEDDING_BYTES_PER_H / bw)

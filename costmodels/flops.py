@@ -1,0 +1,47 @@
+"""FLOPs per optimizer step: model FLOPs (useful work, for MFU) and hardware FLOPs (with the
+recomputation forward, for HFU).
+
+Source: [N21] Narayanan et al. 2021, eq. 3 generalized: 2 FLOPs per parameter per token forward for
+every GEMM (GQA, gated MLPs, top-k experts, shared experts and the router counted by their weights),
+causal attention 2 * (s/2) * a * (d_qk + d_v) per token and layer forward, the output layer 2hV;
+backward = 2x forward. Full recomputation replays the layers' forward, selective the --recompute-modules it names.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .compute import Shapes
+
+
+class LayerFlops(NamedTuple):
+    """Forward FLOPs per token of one layer."""
+    dense: object
+    moe: object
+    core_attention: object
+
+
+def layer_flops(S: Shapes, M: dict, J: dict) -> LayerFlops:
+    h = M["hidden"]
+    proj = 2.0 * M["attn_params"]
+    core = 2.0 * (J["seq_len"] / 2.0) * M["heads"] * (M["qk_head_dim"] + M["v_head_dim"])     # causal
+    dense = proj + core + 2.0 * M["dense_mlp_params"]
+    moe = proj + core + 2.0 * (M["top_k"] * M["expert_params"] + M["shared_ffn"] * h * (2.0 + M["gated"])
+                               + M["router_params"])
+    return LayerFlops(dense, moe, core)
+
+
+def step_flops(S: Shapes, M: dict, J: dict, recomputed_share):
+    """(model FLOPs, hardware FLOPs) per step; `recomputed_share` is the share of layers that full
+    recomputation replays."""
+    lf = layer_flops(S, M, J)
+    fm, h_ = S.frac_moe, M["hidden"]
+    per_layer = (1.0 - fm) * lf.dense + fm * lf.moe
+    tokens = J["global_batch"] * J["seq_len"]
+    model = 3.0 * (M["layers"] * per_layer + 2.0 * M["hidden"] * M["vocab"]) * tokens
+    r = S.rec_mod
+    shared = 2.0 * M["shared_ffn"] * h_ * (2.0 + M["gated"])
+    selective = (r.core_attn * lf.core_attention + (1.0 - fm) * r.mlp * 2.0 * M["dense_mlp_params"]
+                 + fm * (r.moe * (lf.moe - lf.dense + 2.0 * M["dense_mlp_params"])
+                         + (1.0 - r.moe) * r.shared_experts * shared))
+    replay = M["layers"] * (recomputed_share * per_layer + selective)
+    return model, model + replay * tokens

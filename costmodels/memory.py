@@ -1,0 +1,157 @@
+"""Peak memory per GPU: parameters, gradients and optimizer states by ZeRO stage, activations of
+the in-flight micro-batches, logits, communication buffers, fragmentation and fixed overhead.
+
+Symbols as in compute.py; n layers of a pipeline rank, pd / pe its dense / expert parameters.
+
+Sources
+  [Z20] Rajbhandari et al. 2020 (ZeRO), sec. 3: mixed-precision Adam keeps 2 (bf16 weights) + 2
+        (gradients) + 12 (fp32 master, momentum, variance) bytes per parameter; stage 1 shards the
+        12, stage 2 also the gradients, stage 3 also the weights.
+  [MG]  Megatron-LM distributed optimizer: fp32 main gradients (4 bytes) unless reduced in bf16.
+  [K22] Korthikanti et al. 2022, table 2: activation bytes per layer sbh(34 + 5as/h) split into
+        replicated and TP-sharded parts; with SP the replicated part is sharded too; full
+        recompute keeps 2sbh per layer.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from .breakdown import Memory
+from .communication import DataParallelGroups
+from .compute import ACT_BYTES, Shapes
+from .params import EfficiencyParams
+from .pipeline import in_flight_micro_batches
+
+#: fp32 master weights + Adam momentum + variance per parameter [Z20]
+OPTIMIZER_STATE_BYTES = 12.0
+#: bf16 weights
+WEIGHT_BYTES = 2.0
+#: HBM bytes the Adam step moves per local parameter: fp32 master, momentum, variance read and
+#: written (24), the fp32 gradient read (4), the bf16 weight written (2) [Z20]
+OPTIMIZER_STEP_BYTES = 30.0
+
+
+class StageParams(NamedTuple):
+    dense: object            # this rank's share of non-expert parameters
+    expert: object           # this rank's share of expert parameters
+
+
+def stage_params(S: Shapes, M: dict, n, holds_ends) -> StageParams:
+    """Parameters of a rank with n layers: layers / tp (experts / (ep*etp)), plus the embedding on
+    the first rank and the output layer on the last (a copy when tied; one rank holds both when
+    pp = 1, unless they are tied)."""
+    h, fm = M["hidden"], S.frac_moe
+    layer = M["attn_params"] + (1.0 - fm) * M["dense_mlp_params"] \
+        + fm * (M["shared_ffn"] * h * (2.0 + M["gated"]) + M["router_params"])
+    single = (S.pp == 1).astype(jnp.float32)
+    emb = M["vocab"] * h / S.tp * (1.0 + single * (1.0 - M["tied"]))
+    return StageParams(n * layer / S.tp + holds_ends * emb,
+                       n * fm * M["experts"] * M["expert_params"] / (S.ep * S.etp))
+
+
+def sharded(x: StageParams, groups: DataParallelGroups, on):
+    """Parameters' bytes-per-parameter share when a ZeRO stage shards them over data parallelism."""
+    return (x.dense / jnp.where(on > 0, groups.dense, 1.0) + x.expert / jnp.where(on > 0, groups.expert, 1.0))
+
+
+class ActivationBytes(NamedTuple):
+    """Activation bytes of one layer per micro-batch (averaged over dense and MoE layers)."""
+    none: object             # no recompute (with the s x s scores when attention is unfused)
+    selective: object        # what the plan's --recompute-modules leave stored
+    full: object             # only the layer input kept
+    working: object          # one layer re-materialized during backward with full recompute
+
+
+#: bytes of a dropout mask element (Megatron keeps a uint8/bool mask per dropped element)
+DROPOUT_MASK_BYTES = 1.0
+
+
+def activation_bytes(S: Shapes, M: dict, J: dict, e: EfficiencyParams) -> ActivationBytes:
+    """[K22 table 2] generalized to GQA, gated MLPs, MoE and MLA, per token of one layer:
+    norm inputs (2h), GEMM inputs (QKV / fc1: the norm outputs, 2h; fc2: the activation output),
+    Q, K, V and the attention output kept for the fused attention backward, the fc1 output, dropout
+    masks where dropout is on, and with unfused attention the 5as/h score terms. Transformer Engine
+    saves GEMM inputs already cast to fp8 / fp4 (gemm_bytes per element, 2 in bf16), and in
+    low precision the output projection's input is a second, quantized copy of the attention output.
+    With SP the replicated part is sharded over TP; MLA's latents come from a replicated (not TP-
+    sharded) down-projection and stay whole. Recompute modules (Megatron-Core) drop what they replay:
+    core_attn the scores, layernorm the norm outputs, mlp the dense MLP's fc1 and activation outputs,
+    moe_act the experts' activation output, moe the whole MoE block, shared_experts their
+    activations, mla_up_proj MLA's up-projected q, k, v."""
+    T, tp, h = S.tokens, S.tp, M["hidden"]
+    g, f, fe, sf = M["gated"], M["ffn"], M["expert_ffn"], M["shared_ffn"]
+    fm, r, q = S.frac_moe, S.rec_mod, J["gemm_bytes"]
+    lowp = J["low_precision"]
+    rd = jnp.where(S.sp > 0, tp, 1.0)
+    # replicated per token (divided by tp with SP)
+    norm_in = 2.0 * h * ACT_BYTES
+    norm_out = 2.0 * h * q                                         # saved as QKV / fc1 inputs
+    dropout = jnp.where(M["hidden_dropout"] > 0, 2.0 * h * DROPOUT_MASK_BYTES, 0.0)
+    latents = M["attn_act_repl"] * ACT_BYTES                       # MLA: not sharded by TP
+    # TP-sharded per token
+    qkv = M["attn_act_sharded"] * ACT_BYTES
+    attn_out = M["heads"] * M["v_head_dim"] * (ACT_BYTES + lowp * q)
+    scores = (1.0 - J["flash"]) * 5.0 * J["seq_len"] * M["heads"]  # [K22] 5as/h per token (bytes)
+    fc1_out, act_out = f * (1.0 + g) * ACT_BYTES, f * q
+    k_imb = M["top_k"] * e.moe_imbalance
+    routed_in = k_imb * S.etp * h * q                              # permuted tokens: fc1 input
+    routed_act = k_imb * (fe * (1.0 + g) * ACT_BYTES + fe * q)
+    shared = sf * (1.0 + g) * ACT_BYTES + sf * q
+    router = 2.0 * M["experts"] * ACT_BYTES
+    moe = routed_in + routed_act + shared + router
+
+    def per_token(keep_norm_out, keep_scores, keep_qkv, keep_mlp, moe_kept):
+        repl = (norm_in + keep_norm_out * norm_out + dropout) / rd + latents
+        attn = keep_qkv * qkv + attn_out + keep_scores * scores
+        return repl + (attn + (1.0 - fm) * keep_mlp * (fc1_out + act_out) + fm * moe_kept) / tp
+
+    none = T * per_token(1.0, 1.0, 1.0, 1.0, moe)
+    qkv_kept = 1.0 - S.is_mla * r.mla_up_proj
+    moe_kept = (1.0 - r.moe) * (moe - r.moe_act * k_imb * fe * q - r.shared_experts * shared)
+    selective = T * per_token(1.0 - r.layernorm, 1.0 - r.core_attn, qkv_kept, 1.0 - r.mlp, moe_kept)
+    full = T * h * ACT_BYTES / rd
+    return ActivationBytes(none, selective, full, S.rec_full * none)
+
+
+#: bytes per logit kept for the loss: bf16 logits + the fp32 copy of the cross-entropy [MG]
+LOGITS_BYTES_PER_ELEM = 6.0
+#: Transformer Engine's cached fp8 / fp4 copy of each weight (beside the bf16 primary weight)
+LOW_PRECISION_WEIGHT_COPY_BYTES = 1.0
+#: fp8 primary weights (--fp8-param-gather): the bf16 weight is replaced by its fp8 form
+FP8_PRIMARY_WEIGHT_BYTES = 1.0
+#: CUDA context, NCCL and framework buffers, TE workspaces per GPU
+FIXED_BYTES = 3.0e9
+
+
+def logits_bytes(S: Shapes, M: dict):
+    """Logits kept for the loss on the last rank: bf16 logits + fp32 copy."""
+    return S.tokens * M["vocab"] / S.tp * LOGITS_BYTES_PER_ELEM
+
+
+def tp_buffer_bytes(S: Shapes, M: dict):
+    """Gathered SP / TP communication buffers."""
+    return jnp.where(S.tp > 1, 2.0 * S.tokens * M["hidden"] * ACT_BYTES, 0.0)
+
+
+def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataParallelGroups,
+                n, n_recomputed, params: StageParams, rank, holds_logits, acts: ActivationBytes) -> Memory:
+    """Memory of pipeline rank `rank` holding n layers (n_recomputed of them fully recomputed)."""
+    z = S.zero
+    z3 = (z == 3).astype(jnp.float32)
+    primary = jnp.where(J["fp8_param"] * J["low_precision"] > 0, FP8_PRIMARY_WEIGHT_BYTES, WEIGHT_BYTES)
+    wbytes = primary + J["low_precision"] * LOW_PRECISION_WEIGHT_COPY_BYTES
+    # ZeRO-3 gathers one weight matrix at a time and prefetches the next: two of the largest live
+    h, g = M["hidden"], M["gated"]
+    largest_matrix = jnp.maximum(jnp.maximum(M["ffn"], M["q_up_n"]) * h, M["expert_ffn"] * h * (1.0 + g)) / S.tp
+    per_layer = jnp.where(S.rec_sel > 0, acts.selective, acts.none)
+    act_stage = n_recomputed * acts.full + (n - n_recomputed) * per_layer
+    weights = wbytes * sharded(params, groups, z >= 3) + z3 * 2.0 * WEIGHT_BYTES * largest_matrix
+    gradients = J["grad_bytes"] * sharded(params, groups, z >= 2)
+    optimizer = OPTIMIZER_STATE_BYTES * sharded(params, groups, z >= 1)
+    activations = act_stage * in_flight_micro_batches(S, rank) + acts.working + holds_logits * logits_bytes(S, M)
+    dynamic = weights + gradients + optimizer + activations + tp_buffer_bytes(S, M)
+    total = dynamic * e.mem_fragmentation + FIXED_BYTES
+    return Memory(weights, gradients, optimizer, activations, total - weights - gradients - optimizer - activations,
+                  total)
