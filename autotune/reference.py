@@ -115,15 +115,20 @@ def rescore(entry: dict) -> list[tuple[float, float]]:
     """(step_time_s, memory_gb) of the entry's stored plans under the current cost model."""
     from costmodels.plan import Plan
 
-    from .scoring import Inputs, score_plans
+    from .search import predict
     case = entry["inputs"]
     out = []
     for p in entry["plans"]:
         problem = _problem(case, gpus=p.get("gpus"), gpu=p.get("gpu"))
         limit = p.get("memory_limit_gb", entry.get("memory_limit_gb"))
-        (rep,) = score_plans([Plan.from_dict(p["plan"])], Inputs(problem, limit), _params())
+        rep = predict(problem, Plan.from_dict(p["plan"]), _params(), limit)
         out.append((rep["step_time_s"], rep["memory_gb"]["total"]))
     return out
+
+
+def _plan_text(plan: dict) -> str:
+    from .report import plan_text
+    return plan_text(plan)
 
 
 def _params():
@@ -153,7 +158,7 @@ def check(out: str = os.path.join("results", "reference")) -> list[str]:
         for p, (step, mem) in zip(entry["plans"], rescore(entry)):
             for label, old, new in (("step time", p["step_time_s"], step), ("memory", p["memory_gb"], mem)):
                 if abs(new - old) > REL_TOL * abs(old):
-                    problems.append(f"{name}: {label} of {p['plan']} moved {old:.6g} -> {new:.6g}")
+                    problems.append(f"{name}: {label} of {_plan_text(p['plan'])} moved {old:.6g} -> {new:.6g}")
     return problems
 
 
