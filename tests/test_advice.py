@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
 from typer.testing import CliRunner
 
 from autotune import api

@@ -4,9 +4,7 @@ published run, the pick against every other count, and the CLI's exit codes and 
 from __future__ import annotations
 
 import json
-import math
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
