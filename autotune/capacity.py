@@ -300,14 +300,30 @@ def what_would_help(req: CapacityRequest, per_gpu: list[dict]) -> list[str]:
                      f"would need >= {need:,.0f})")
         elif scaling and above:
             text += (f"; no legal plan above {largest} GPUs: the global batch of {g['global_batch']} sequences "
-                     f"caps data parallelism; a larger global batch (e.g. {2 * g['global_batch']}) admits more "
-                     f"GPUs, a smaller one shortens each step but not the run")
+                     f"caps data parallelism")
+            bigger = _larger_batch(req, g, largest)
+            if bigger is not None and bigger["wall_days"] < f["wall_days"]:
+                text += (f"; with global batch {2 * g['global_batch']}: {bigger['wall_days']:.1f} days on "
+                         f"{bigger['gpus']} GPUs{' (meets it)' if bigger['wall_days'] <= days else ''}")
         else:
             text += f"; more GPUs do not help (slower above {f['gpus']} GPUs)"
+            bigger = _larger_batch(req, g, f["gpus"] - 1)
+            if bigger is not None and bigger["wall_days"] < f["wall_days"]:
+                text += (f"; a larger global batch does ({2 * g['global_batch']}: {bigger['wall_days']:.1f} days on "
+                         f"{bigger['gpus']} GPUs{', meets it' if bigger['wall_days'] <= days else ''})")
         if winners:
             text += f"; {', '.join(winners)} meet{'s' if len(winners) == 1 else ''} it"
         out.append(text + ".")
     return out
+
+
+def _larger_batch(req: CapacityRequest, g: dict, largest: int) -> dict | None:
+    """The fastest row with twice the global batch, on up to 4x the GPU counts the batch capped (a check of
+    the advice, not a guess); None when that has no plan either."""
+    from dataclasses import replace
+    wider = replace(req, global_batch=2 * g["global_batch"], seq_len=g["seq_len"], min_gpus=largest + 1,
+                    max_gpus=min(req.max_gpus, 4 * largest))
+    return plan_gpu_type(wider, g["gpu"])["fastest"]
 
 
 def capacity_plan(req: CapacityRequest) -> dict:

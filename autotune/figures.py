@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import os
+import warnings
 
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
@@ -144,8 +145,10 @@ def optuna_figures(study, objective_names: list[str], maximize: tuple = ()) -> l
     try:
         sign = -1.0 if maximize and maximize[0] else 1.0      # importances look at low values of the target
         target = (lambda t: sign * t.values[0]) if multi else None
-        figs.append((f"Parameter importances ({objective_names[0]})",
-                     ov.plot_param_importances(study, target=target, target_name=objective_names[0])))
+        with warnings.catch_warnings():          # the sign of the target is handled above
+            warnings.simplefilter("ignore", UserWarning)
+            fig = ov.plot_param_importances(study, target=target, target_name=objective_names[0])
+        figs.append((f"Parameter importances ({objective_names[0]})", fig))
     except (ValueError, RuntimeError):
         pass
     return figs

@@ -211,3 +211,18 @@ def test_rack_scale_counts_are_shares_of_racks():
     g = cap.capacity_plan(req)["per_gpu"][0]
     assert g["counts_tried"] == [64, 80, 96, 112, 128]
     assert {r["gpus"] for r in g["rows"]} >= {64, 128} and g["pick"] is not None
+
+
+def test_larger_batch_advice_is_checked():
+    """When more GPUs stop helping, the advice tries twice the global batch and quotes what it measured."""
+    req = cap.CapacityRequest(model="llama3-8b", tokens=1e13, gpus=("h100",), global_batch=64, seq_len=4096,
+                              min_gpus=8192, max_gpus=32768, deadline_s=cap.parse_duration_s("3d"))
+    rep = cap.capacity_plan(req)
+    (advice,) = rep["advice"]
+    assert "global batch 128" in advice or "(128:" in advice, advice
+    days = float(advice.split("128: ")[1].split(" days on ")[0])
+    gpus = int(advice.split(" days on ")[1].split(" GPUs")[0])
+    again = cap.capacity_plan(cap.CapacityRequest(model="llama3-8b", tokens=1e13, gpus=("h100",), global_batch=128,
+                                                  seq_len=4096, min_gpus=gpus, max_gpus=gpus))
+    assert again["per_gpu"][0]["rows"][0]["wall_days"] == pytest.approx(days, abs=0.05)
+    assert days < rep["per_gpu"][0]["fastest"]["wall_days"]
