@@ -174,10 +174,18 @@ def html_page(title: str, blocks: list, plotlyjs: str = "inline") -> str:
             height = content.layout.height or 480       # a div of 100 % height inside a page body has none
             parts.append(content.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False},
                                          default_height=f"{height}px", div_id=f"figure-{n_figs}"))
+        elif kind == "table":
+            parts.append(_table_html(*content))
         else:
             parts.append(f"<{kind}>{html.escape(str(content))}</{kind}>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _table_html(header: list, rows: list) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def write_plotlyjs(out_dir: str) -> str:
@@ -205,9 +213,12 @@ def search_page(report: dict, study=None, plotlyjs: str = "inline", max_plans: i
     if flagged:
         blocks.append(("p", f"Plans above {report['headroom']['at_limit_frac']:.0%} of the device memory: "
                             + ", ".join(f"#{i}" for i in flagged)))
-    blocks += [("h2", "Top plans"), ("pre", "\n".join(f"#{i + 1}  {r['step_time_s']:.3f} s  "
-                                                        f"{r['memory_gb']['total']:.1f} GB  {plan_text(r['plan'])}"
-                                                        for i, r in enumerate(top))),
+    rows = [(f"#{i + 1}", f"{r['step_time_s']:.3f}", f"{r['mfu']:.1%}", f"{r['memory_gb']['total']:.1f}",
+             "-" if r.get("headroom_gb") is None else f"{r['headroom_gb']:.1f}",
+             "yes" if r.get("tie_with_best") else "no", plan_text(r["plan"])) for i, r in enumerate(top)]
+    blocks += [("h2", "Top plans"),
+               ("table", (["#", "step (s)", "MFU", "memory (GB)", "headroom (GB)", "within error of fastest", "plan"],
+                          rows)),
                ("fig", top_plans_figure(top)),
                ("h2", "Memory"), ("fig", memory_figure(top, report.get("headroom"))),
                ("h2", "Time"), ("fig", time_figure(top))]
@@ -228,5 +239,15 @@ def search_page(report: dict, study=None, plotlyjs: str = "inline", max_plans: i
 
 def capacity_page(report: dict, plotlyjs: str = "inline") -> str:
     from .capacity import capacity_lines
-    return html_page(f"Capacity plan: {report['model']}, {report['tokens']:.3g} tokens",
-                     [("pre", "\n".join(capacity_lines(report))), ("fig", capacity_figure(report))], plotlyjs)
+    blocks: list = [("pre", "\n".join(capacity_lines(report))), ("fig", capacity_figure(report))]
+    for g in report["per_gpu"]:
+        rows = [(f"{r['gpus']}{' (pick)' if g['pick'] is r else ''}", _fmt(r["wall_days"], ".1f"),
+                 _fmt(r["gpu_hours"], ",.0f"), _fmt(r["cost"], ",.0f"), _fmt(r["energy_kwh"], ",.0f"),
+                 f"{r['goodput']:.1%}", f"{r['mfu']:.1%}", plan_text(r["plan"])) for r in g["rows"]]
+        blocks += [("h2", g["gpu"]), ("table", (["GPUs", "days", "GPU-hours", "cost $", "kWh", "goodput", "MFU",
+                                                  "plan"], rows))]
+    return html_page(f"Capacity plan: {report['model']}, {report['tokens']:.3g} tokens", blocks, plotlyjs)
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
