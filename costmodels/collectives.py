@@ -82,13 +82,15 @@ def p2p_s(bytes_, stride, pp, hw, eff):
     """Pipeline send/recv between adjacent stages `stride` ranks apart; the slowest boundary counts.
 
     Only the GPUs of one stage cross a boundary at a time, so across sites each GPU gets the WAN
-    link divided by the stage's GPUs on it (not by the whole site as for data parallelism).
+    link divided by the stage's GPUs on it (not by the whole site as for data parallelism). Inside
+    a node one peer gets the scale-up bandwidth a switch gives it (all of NVLink behind NVSwitch,
+    one xGMI link in MI300X's fully connected mesh); across nodes one NIC.
     """
     intra_eff, inter_eff = eff
     crosses0 = pp * stride > hw["domain"]
     crosses1 = hw["sites"] > 1.0
     senders_on_wan = jnp.minimum(stride, hw["site"])
-    bw = jnp.where(crosses0, hw["inter_bw"] * inter_eff, hw["intra_bw"] * intra_eff)
+    bw = jnp.where(crosses0, hw["inter_bw"] * inter_eff, hw["intra_p2p_bw"] * intra_eff)
     bw = jnp.where(crosses1, jnp.minimum(bw, hw["wan_bw"] / senders_on_wan * inter_eff), bw)
     lat = jnp.where(crosses1, hw["wan_lat"], jnp.where(crosses0, hw["inter_lat"], hw["intra_lat"]))
     return jnp.where(pp > 1, bytes_ / bw + lat, 0.0)

@@ -61,11 +61,14 @@ def layer_comm(S: Shapes, w: LayerWork, M: dict, H: dict, J: dict, e: Efficiency
     tp_dense = exposed(2.0 * tp_pair, w.attn_proj + w.mlp_dense)
     etp_bytes = S.routed_tokens * S.etp * h * ACT_BYTES
     t_etp = 2.0 * C.reduce_scatter_s(etp_bytes, S.etp, 1.0, H, link, lat)
-    tp_moe = exposed(tp_pair + t_etp, w.attn_proj + w.mlp_moe)
+    # shared experts are column/row-parallel over TP like a dense MLP: their own AG + RS pair
+    has_shared = (M["shared_ffn"] > 0).astype(jnp.float32)
+    tp_moe = exposed(tp_pair * (1.0 + has_shared) + t_etp, w.attn_proj + w.mlp_moe)
     # CP ring attention [RA]: cp-1 exchanges of this rank's K,V block, hidden under attention
     kv_bytes = S.tokens * M["kv_exchange_elems"] / jnp.minimum(S.tp, M["kv_heads"]) * ACT_BYTES
-    cp_bw, cp_lat = C.group_link(S.cp, S.tp, H, link)
-    cp_raw = jnp.where(S.cp > 1, (S.cp - 1.0) * (kv_bytes / cp_bw + cp_lat), 0.0)
+    # each step every rank sends its block to the next: a hop between nodes goes over one NIC
+    # (not the group's aggregate), so the ring runs at its slowest hop (a point-to-point)
+    cp_raw = jnp.where(S.cp > 1, (S.cp - 1.0) * C.p2p_s(kv_bytes, S.tp, S.cp, H, link), 0.0)
     cp_fwd = jnp.maximum(cp_raw - e.cp_overlap * w.attn_core, (1.0 - e.cp_overlap) * cp_raw)
     cp_bwd = jnp.maximum(2.0 * cp_raw - e.cp_overlap * e.attn_bwd_ratio * w.attn_core,
                          (1.0 - e.cp_overlap) * 2.0 * cp_raw)

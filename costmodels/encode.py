@@ -39,7 +39,9 @@ def encode_model(m: ModelSpec) -> dict:
     n_moe = m.num_moe_layers
     shared_ffn = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or m.moe_ffn_hidden_size)
     vals = dict(
-        layers=m.num_layers, moe_layers=n_moe, hidden=h, heads=a, kv_heads=kv_heads,
+        layers=m.num_layers, moe_layers=n_moe,
+        # leading dense layers that sit together on the first stage (DeepSeek's first_k_dense_replace)
+        dense_first=m.first_k_dense_layers if m.is_moe and m.moe_layer_freq == 1 else 0, hidden=h, heads=a, kv_heads=kv_heads,
         qk_head_dim=attn_q_heads_dim, v_head_dim=attn_v_dim,
         ffn=m.ffn_hidden_size, vocab=m.vocab_size, gated=float(m.gated_mlp),
         tied=float(m.tied_embeddings),
@@ -62,7 +64,9 @@ def encode_cluster(c: ClusterSpec) -> dict:
     gps = c.gpus_per_site
     vals = dict(
         num_gpus=c.num_gpus, domain=c.nvlink_domain_size, site=gps, sites=c.num_sites,
-        intra_bw=c.intra_node_bw_bytes_per_s, inter_bw=c.inter_node_bw_bytes_per_s * c.fabric_bw_factor,
+        intra_bw=c.intra_node_bw_bytes_per_s,
+        intra_p2p_bw=c.intra_node_bw_bytes_per_s * c.gpu.p2p_bw_bytes_per_s / c.gpu.intra_node_bw_bytes_per_s,
+        inter_bw=c.inter_node_bw_bytes_per_s * c.fabric_bw_factor,
         wan_bw=c.wan_bw_bytes_per_s if c.num_sites > 1 else 1e30,
         intra_lat=c.intra_node_latency_s, inter_lat=c.inter_node_latency_s,
         wan_lat=c.wan_latency_s if c.num_sites > 1 else c.inter_node_latency_s,

@@ -29,21 +29,36 @@ from .params import EfficiencyParams
 MLP_SHARE_OF_TP_COMM = 0.5
 
 
-def _stage_time(S, n, n_rec, embed, head, fb_layer, sel_layer, full_layer, lc, hw_head):
-    """Per micro-batch time terms of a stage with n layers (embed / head: 0/1 flags)."""
+def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head):
+    """Per micro-batch time terms of a stage with n layers (embed / head: 0/1 flags); S.frac_moe is
+    this stage's share of MoE layers."""
     fm, r = S.frac_moe, S.rec_mod
+    fb_layer = (1.0 - fm) * (lt.fwd_dense + lt.bwd_dense) + fm * (lt.fwd_moe + lt.bwd_moe)
+    full_layer = (1.0 - fm) * lt.fwd_dense + fm * lt.fwd_moe
     head_tp = 2.0 * lc.tp_pair                           # the output layer's TP collectives
     head_compute = 3.0 * hw_head.logits_fwd + hw_head.loss
     return dict(
         compute=n * fb_layer + embed * hw_head.embedding + head * head_compute,
         ends=embed * hw_head.embedding + head * (head_compute + head_tp),
-        recompute=n * sel_layer + n_rec * full_layer,
+        recompute=n * compute.selective_recompute_s(S, w) + n_rec * full_layer,
         tp=n * ((1.0 - fm) * 2.0 * lc.tp_dense + fm * 2.0 * lc.tp_moe)
         + n_rec * ((1.0 - fm) * lc.tp_dense + fm * lc.tp_moe) + head * head_tp
         + n * ((1.0 - fm) * r.mlp * MLP_SHARE_OF_TP_COMM * lc.tp_dense
                + fm * r.moe * MLP_SHARE_OF_TP_COMM * lc.tp_moe),
         cp=n * (lc.cp_fwd + lc.cp_bwd) + n_rec * lc.cp_fwd,
         ep=n * fm * 2.0 * lc.ep_fwd + (n_rec + n * r.moe) * fm * lc.ep_fwd)
+
+
+def _moe_shares(S, M, st):
+    """(first stage, other stages) shares of MoE layers. Leading dense layers (DeepSeek's
+    first_k_dense_replace) sit in the first stage's first chunk, not spread over all stages;
+    interleaved dense/MoE patterns are spread evenly."""
+    fm, dense_first = S.frac_moe, M["dense_first"]
+    d1 = jnp.minimum(dense_first, st.first / S.vpp)
+    fm1 = jnp.where(dense_first > 0, 1.0 - d1 / st.first, fm)
+    rest = jnp.maximum(M["layers"] - st.first, 1.0)
+    fm_rest = jnp.clip((M["moe_layers"] - (st.first - d1)) / rest, 0.0, 1.0)
+    return fm1, jnp.where((dense_first > 0) & (S.pp > 1), fm_rest, fm)
 
 
 def _total(st: dict):
@@ -55,23 +70,22 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     P = {k: jnp.asarray(v, dtype=jnp.float32) for k, v in plans.items()}
     M, H, J = model, hw, job
     S = compute.shapes(P, M, J, e)
-    fm = S.frac_moe
 
     # ---- one layer: compute, communication, recomputation ----
     w = compute.layer_work(S, M, H, J, e)
     lt = compute.layer_times(w, e)
     lc = comm.layer_comm(S, w, M, H, J, e)
-    fb_layer = (1.0 - fm) * (lt.fwd_dense + lt.bwd_dense) + fm * (lt.fwd_moe + lt.bwd_moe)
-    sel_layer = compute.selective_recompute_s(S, w)
-    full_layer = (1.0 - fm) * lt.fwd_dense + fm * lt.fwd_moe
     head = compute.head_work(S, M, H, J, e)
 
-    # ---- pipeline stages: first, middle, last ----
+    # ---- pipeline stages: first, middle, last (the first with its own share of MoE layers) ----
     st = pipeline.stages(S, P, M)
+    fm1, fm_rest = _moe_shares(S, M, st)
+    whole = S                                            # the model's average, for FLOPs
+    S1, S = S._replace(frac_moe=fm1), S._replace(frac_moe=fm_rest)
     n_rec = [pipeline.recomputed_layers(S, P, n) for n in (st.first, st.mid, st.last)]
-    first = _stage_time(S, st.first, n_rec[0], 1.0, st.single, fb_layer, sel_layer, full_layer, lc, head)
-    mid = _stage_time(S, st.mid, n_rec[1], 0.0, 0.0, fb_layer, sel_layer, full_layer, lc, head)
-    last = _stage_time(S, st.last, n_rec[2], st.single, 1.0, fb_layer, sel_layer, full_layer, lc, head)
+    first = _stage_time(S1, st.first, n_rec[0], 1.0, st.single, w, lt, lc, head)
+    mid = _stage_time(S, st.mid, n_rec[1], 0.0, 0.0, w, lt, lc, head)
+    last = _stage_time(S, st.last, n_rec[2], st.single, 1.0, w, lt, lc, head)
     t_first, t_mid, t_last = _total(first), _total(mid), _total(last)
     slowest = pipeline.largest(t_first, t_mid, t_last, st.has_mid)
     t_max = slowest.pick(t_first, t_mid, t_last)
@@ -79,7 +93,8 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     pp_comm = comm.pipeline_p2p_s(S, M, H, t_max, e)
 
     # ---- parameters per stage; data parallelism and the optimizer of the biggest one ----
-    params = [memory.stage_params(S, M, n, ends) for n, ends in ((st.first, 1.0), (st.mid, 0.0), (st.last, 1.0))]
+    params = [memory.stage_params(Sx, M, n, ends) for Sx, n, ends in ((S1, st.first, 1.0), (S, st.mid, 0.0),
+                                                                      (S, st.last, 1.0))]
     biggest = pipeline.largest(*(p.dense + p.expert for p in params), st.has_mid)
     p_dense = biggest.pick(*(p.dense for p in params))
     p_expert = biggest.pick(*(p.expert for p in params))
@@ -106,14 +121,13 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     n_mid_all = jnp.maximum(S.pp - 2.0, 0.0)
     rf_share = jnp.where(S.pp > 1, (n_rec[0] + n_mid_all * n_rec[1] + n_rec[2]) / (st.first + n_mid_all * st.mid + st.last),
                          n_rec[0] / st.first)
-    model_flops, hw_flops = step_flops(S, M, J, rf_share)
+    model_flops, hw_flops = step_flops(whole, M, J, rf_share)
 
     # ---- memory on the first, second and last pipeline ranks; the peak is the largest ----
-    acts = memory.activation_bytes(S, M, J, e)
-    ranks = [memory.rank_memory(S, M, J, e, groups, n, nr, p, rank, logits, acts)
-             for n, nr, p, rank, logits in ((st.first, n_rec[0], params[0], 0.0, st.single),
-                                            (st.mid, n_rec[1], params[1], 1.0, 0.0),
-                                            (st.last, n_rec[2], params[2], S.pp - 1.0, 1.0))]
+    ranks = [memory.rank_memory(Sx, M, J, e, groups, n, nr, p, rank, logits, memory.activation_bytes(Sx, M, J, e))
+             for Sx, n, nr, p, rank, logits in ((S1, st.first, n_rec[0], params[0], 0.0, st.single),
+                                                (S, st.mid, n_rec[1], params[1], 1.0, 0.0),
+                                                (S, st.last, n_rec[2], params[2], S.pp - 1.0, 1.0))]
     peak = pipeline.largest(*(r.total for r in ranks), st.has_mid)
     mem = Memory(*(peak.pick(*parts) for parts in zip(*ranks)))
 

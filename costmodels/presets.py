@@ -91,6 +91,8 @@ _GPU_FILE_FIELDS = {
 def _gpu_from_entry(name: str, entry: dict) -> GPUSpec:
     # Rounded to whole SI units: 1.555 TB/s * 1e12 is 1555000000000.0002 in floating point.
     si = {f: float(round(entry[key] * factor)) for f, (key, factor) in _GPU_FILE_FIELDS.items()}
+    if entry.get("p2p_gbps"):                        # fully connected meshes: one link per peer
+        si["intra_node_p2p_bw_bytes_per_s"] = float(round(entry["p2p_gbps"] * GIGA))
     return GPUSpec(name=name, family=entry["family"], gpus_per_node=entry["gpus_per_node"],
                    source=_one_line(entry["source"]), **si)
 

@@ -200,6 +200,9 @@ class GPUSpec:
     gpus_per_node: int = 8               # GPUs sharing one NVLink domain by default
     intra_node_bw_bytes_per_s: float = 300e9   # per GPU per direction (NVLink)
     inter_node_bw_bytes_per_s: float = 25e9    # per GPU per direction (NIC)
+    # one peer's share of the scale-up link (send/recv to one GPU): all of it behind a switch
+    # (NVSwitch), one link of a fully connected mesh (MI300X xGMI); 0 = the whole intra-node bandwidth
+    intra_node_p2p_bw_bytes_per_s: float = 0.0
     family: str = ""                     # calibration family, e.g. "ampere", "hopper"
     source: str = ""
 
@@ -210,6 +213,10 @@ class GPUSpec:
             if not isinstance(v, (int, float)) or v <= 0:
                 raise SpecError(f, f"must be a positive number, got {v!r}")
         _positive("gpus_per_node", self.gpus_per_node)
+
+    @property
+    def p2p_bw_bytes_per_s(self) -> float:
+        return self.intra_node_p2p_bw_bytes_per_s or self.intra_node_bw_bytes_per_s
 
     def peak_flops(self, precision: Precision) -> float:
         if precision is Precision.FP8:

@@ -31,7 +31,7 @@ from costmodels import model as cm
 from costmodels.breakdown import flatten
 from costmodels.encode import encode_cluster, encode_job, encode_model
 from costmodels.params import EfficiencyParams, params_as_arrays
-from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, stage_layers
+from costmodels.plan import PLAN_FIELDS, RECOMPUTE_MODULES, Plan, PlanBatch, stage_layers
 from costmodels.presets import load_gpu
 from costmodels.specs import ClusterSpec, FrameworkSpec, JobSpec, ModelSpec, Precision, Recompute
 from search_spaces.space import KNOBS, OPTUNA_ONLY_KNOBS, Problem, check_rows, enumerate_legal
@@ -828,3 +828,80 @@ def test_gradients_are_finite(name, flash):
     assert float(g_hw["hbm_bw"]) != 0
     assert float(g_hw["peak_bf16"]) != 0
     assert float(g_e.gemm_eff_max) != 0
+
+
+def test_leading_dense_layers_sit_on_the_first_stage():
+    """DeepSeek-style first_k_dense_replace: with pp=2 and 2 of 4 layers dense, rank 0 holds the
+    two dense layers and rank 1 the two MoE layers (Megatron builds layers in order), so the peak
+    rank's weights are two whole MoE layers, not two averaged half-MoE layers."""
+    m = ModelSpec(
+        name="tiny-ds", num_layers=4, hidden_size=64, ffn_hidden_size=64, num_attention_heads=4,
+        num_kv_heads=4, vocab_size=128, gated_mlp=False, **{**TINY_MOE, "first_k_dense_layers": 2})
+    plan = Plan(tp=1, pp=2, dp=8, zero=0)
+    out = _eval_tiny(m, [plan])
+    h = m.hidden_size
+    moe_layer = (m.attention_params() + m.num_experts * m.mlp_params(m.moe_ffn_hidden_size)
+                 + m.num_shared_experts * m.mlp_params(m.moe_ffn_hidden_size) + h * m.num_experts)
+    dense_layer = m.attention_params() + m.mlp_params(m.ffn_hidden_size)
+    output_layer = m.vocab_size * h
+    rank1 = 2 * moe_layer + output_layer
+    rank0 = 2 * dense_layer + m.vocab_size * h
+    assert rank1 > rank0                       # the MoE stage is the peak
+    assert out["memory.weights"][0] == pytest.approx(2.0 * rank1, rel=MEM_RTOL)
+
+
+def _with(plans: dict, **fields) -> dict:
+    out = dict(plans)
+    for k, v in fields.items():
+        out[k] = np.broadcast_to(np.asarray(v, dtype=np.int32), plans["tp"].shape).copy()
+    return out
+
+
+_MODULE_BITS = {name: 1 << i for i, name in enumerate(RECOMPUTE_MODULES)}
+
+
+@pytest.mark.parametrize("name", PROP_PROBLEMS)
+@PROPERTY
+@given(idx=indices, extra=st.sets(st.sampled_from(RECOMPUTE_MODULES), min_size=1))
+def test_recomputing_more_modules_never_raises_memory_nor_saves_time(name, idx, extra):
+    """Adding modules to a selective set never raises activation memory and never makes the step
+    faster (the cost model is evaluated directly: these are physics properties, not legality)."""
+    case = _case(name)
+    plans = _with(_pick(case, idx), recompute=1, recompute_modules=_MODULE_BITS["core_attn"])
+    more_mask = _MODULE_BITS["core_attn"] | sum(_MODULE_BITS[m] for m in extra)
+    base = case.evaluate(plans)
+    more = case.evaluate(_with(plans, recompute_modules=more_mask))
+    assert np.all(more["memory.activations"] <= base["memory.activations"] * (1 + 1e-6))
+    assert np.all(more["step_time_s"] >= base["step_time_s"] * (1 - 1e-6))
+
+
+@pytest.mark.parametrize("name", PROP_PROBLEMS)
+@PROPERTY
+@given(idx=indices)
+def test_grad_reduce_in_bf16_never_uses_more_memory_or_time(name, idx):
+    case = _case(name)
+    plans = _pick(case, idx)
+    fp32 = case.evaluate(plans)
+    bf16 = case.evaluate(plans, job=_scaled(case.inp.job, "grad_bytes", 0.5))
+    assert np.all(bf16["memory.gradients"] <= fp32["memory.gradients"] * (1 + 1e-6))
+    assert np.all(bf16["step_time_s"] <= fp32["step_time_s"] * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("layers, pp, vpp", [(126, 16, 1), (126, 8, 2), (94, 32, 3), (80, 4, 5), (62, 8, 1)])
+def test_accounting_the_embedding_and_loss_makes_end_stages_lighter(layers, pp, vpp):
+    """Megatron's --account-for-embedding/loss-in-pipeline-split count the embedding and the loss
+    as a layer each: in a legal split the first (last) stage holds one transformer layer
+    fewer than a middle stage, and the layers are conserved."""
+    checked = 0
+    for acc_e in (False, True):
+        for acc_l in (False, True):
+            units = layers + acc_e + acc_l
+            if units % (pp * vpp):
+                continue
+            checked += 1
+            first, mid, last = (float(x) for x in stage_layers(layers, pp, vpp, 0, 0, np,
+                                                               acc_embedding=acc_e, acc_loss=acc_l))
+            assert first + (pp - 2) * mid + last == layers
+            assert first == mid - acc_e          # the unit sits in the first (last) chunk only
+            assert last == mid - acc_l
+    assert checked >= 1

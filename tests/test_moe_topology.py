@@ -237,3 +237,17 @@ def test_cluster_file_with_inconsistent_gpu_counts_exits_2(tmp_path):
     assert res.exit_code == 2
     err = (res.stderr if hasattr(res, "stderr") else res.output).strip().splitlines()
     assert len(err) == 1 and "gpus_per_site" in err[0]
+
+
+def test_shared_experts_pay_their_own_tp_collectives():
+    """Shared experts are column/row-parallel over TP (Megatron-Core SharedExpertMLP): with TP > 1
+    an MoE layer with shared experts does one more all-gather / reduce-scatter pair per forward."""
+    import dataclasses
+    from search_spaces.space import Problem
+    p = api.build_problem(model="deepseek-v2-lite", gpu="h100", gpus=16, global_batch=64, seq_len=4096)
+    assert p.model.num_shared_experts > 0
+    no_shared = Problem(dataclasses.replace(p.model, num_shared_experts=0), p.cluster, p.job)
+    plan = Plan(tp=2, dp=8, ep=2, mbs=1, sp=True, zero=1)
+    with_s = predict(p, plan)["time_breakdown_s"]["tp_comm"]
+    without = predict(no_shared, plan)["time_breakdown_s"]["tp_comm"]
+    assert with_s > 1.3 * without
