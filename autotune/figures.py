@@ -225,7 +225,8 @@ def search_page(report: dict, study=None, plotlyjs: str = "inline", max_plans: i
     best = report["best"]
     if best["plan"]["pp"] > 1:
         blocks += [("h2", "Pipeline schedule of the best plan"),
-                   ("fig", schedule_figure(plan_timeline(best, max_micro_batches=4 * best["plan"]["pp"])))]
+                   ("fig", schedule_figure(plan_timeline(best, max_micro_batches=4 * best["plan"]["pp"],
+                                                         num_layers=p["model"].get("num_layers"))))]
     if report.get("sensitivity"):
         blocks += [("h2", "Sensitivity"), ("pre", "\n".join(report["sensitivity"]["sentences"]))]
     if study is not None and report.get("optuna"):

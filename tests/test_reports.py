@@ -151,3 +151,23 @@ def test_predict_flags_a_plan_at_998_percent():
     assert res.exit_code == 0 and "Warning:" in res.stdout and "99.8%" in res.stdout
     rep = json.loads(CliRunner().invoke(app, args + ["--memory-limit-gb", limit, "--json"]).stdout)
     assert rep["fits"] and rep["at_limit"]
+
+
+def test_uneven_stages_in_the_timeline():
+    """Llama 3 405B's split (Dubey et al. 2024: 126 layers, first and last stage 7 of 16 stages x 8): the
+    lighter end stages run shorter operations, and the makespan is that of the heaviest stage's pipe."""
+    plan = {"tp": 8, "pp": 16, "vpp": 1, "first_layers": 7, "last_layers": 7, "layout": "",
+            "account_for_embedding": False, "account_for_loss": False}
+    from autotune.schedule import stage_weights
+    w = stage_weights(plan, 126)
+    assert w[0] == w[-1] == pytest.approx(7 / 8) and w[1:-1] == [1.0] * 14
+    rep = {"plan": plan, "micro_batches": 32, "time_breakdown_s": {"compute": 96.0}}
+    tl = plan_timeline(rep, num_layers=126)
+    ops = tl["ops"]
+    assert {round(o.end_s - o.start_s, 9) for o in ops if o.stage == 0 and o.kind == "F"} == \
+        {round(tl["forward_s"] * 7 / 8, 9)}
+    even = plan_timeline(rep)                           # without the layer count: every stage equal
+    assert tl["makespan_s"] < even["makespan_s"]
+    # never faster than the heaviest stage's own work, never slower than every stage at full weight
+    heavy = 32 * (tl["forward_s"] + tl["backward_s"])
+    assert heavy < tl["makespan_s"] <= (32 + 15) * (tl["forward_s"] + tl["backward_s"]) + 1e-9
