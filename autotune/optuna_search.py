@@ -190,6 +190,7 @@ class StudySpec:
     memory_limit_gb: float | None = None
     calibration: str | None = None
     fixed: dict = field(default_factory=dict)
+    framework: dict = field(default_factory=dict)      # Megatron-Core options (FrameworkSpec fields)
     objectives: tuple = ("tokens_per_s",)
     sampler: str = DEFAULT_SAMPLER
     seed: int | None = None
@@ -201,7 +202,7 @@ class StudySpec:
         return build_problem(model=self.model, gpu=self.gpu, gpus=n, global_batch=self.global_batch,
                              seq_len=self.seq_len, precision=self.precision, gpus_per_node=self.gpus_per_node,
                              intra_node_bw=self.intra_node_bw, inter_node_bw=self.inter_node_bw,
-                             cluster_file=self.cluster_file)
+                             cluster_file=self.cluster_file, framework=self.framework)
 
     def gpu_spec(self) -> int | GpuRange | None:
         return None if self.gpus is None else parse_gpus(self.gpus)

@@ -274,9 +274,17 @@ def search(
     with_sensitivity: Annotated[bool, typer.Option(
         "--sensitivity/--no-sensitivity",
         help="Add the best plan's elasticities (jax.jacfwd) to the report (first run in a fresh cache: ~8 s).")] = True,
+    framework: FrameworkOpt = None,
+    attention_backend: AttentionBackendOpt = None,
+    tp_comm_overlap: TpCommOverlapOpt = None,
+    grad_reduce_in_bf16: GradReduceBf16Opt = None,
+    fp8_param_gather: Fp8ParamGatherOpt = None,
+    moe_token_dispatcher_type: DispatcherOpt = None,
     memory_headroom: capacity_cmds.HeadroomOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
+    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
+                           moe_token_dispatcher_type)
     _check_memory_limit(memory_limit_gb)
     room = capacity_cmds.headroom_of(gpu, cluster, memory_limit_gb, memory_headroom)
     memory_limit_gb = room.limit_gb if room else memory_limit_gb
@@ -286,7 +294,7 @@ def search(
     choice = optuna_cmds.choose(strategy, gpus=gpu_count, objectives=objective, optuna_options=given,
                                 count_legal=lambda: optuna_cmds.legal_count(_problem(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
-                                    intra_node_bw, inter_node_bw, cluster)))
+                                    intra_node_bw, inter_node_bw, cluster, fw)))
     if choice.strategy == "optuna":
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
@@ -294,9 +302,9 @@ def search(
             top=top, memory_limit_gb=memory_limit_gb, out=out, no_save=no_save, as_json=as_json,
             calibration=calibration, trials=trials, timeout=timeout, sampler=sampler, seed=seed,
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
-            requested=strategy, with_sensitivity=with_sensitivity, headroom=room)
+            requested=strategy, with_sensitivity=with_sensitivity, framework=fw, headroom=room)
     problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
-                       inter_node_bw, cluster)
+                       inter_node_bw, cluster, fw)
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
         with _spinner("Scoring every legal plan...", enabled=not as_json):

@@ -192,7 +192,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       sampler: Optional[str], seed: Optional[int], objectives: Optional[list],
                       storage: Optional[str], study: Optional[str], batch_size: Optional[int],
                       choice: osr.StrategyChoice | None = None, requested: str = "optuna",
-                      with_sensitivity: bool = True, headroom=None) -> int:
+                      with_sensitivity: bool = True, framework: Optional[dict] = None, headroom=None) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
     if isinstance(gpus, GpuRange) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
@@ -202,6 +202,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         model=model, gpu=gpu, gpus=gpus_text, global_batch=global_batch, seq_len=seq_len, precision=precision,
         gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw,
         cluster_file=cluster, memory_limit_gb=memory_limit_gb, calibration=calibration,
+        framework={k: v for k, v in (framework or {}).items() if v is not None},
         objectives=osr.parse_objectives(objectives or ()), sampler=sampler or osr.DEFAULT_SAMPLER, seed=seed,
         batch_size=osr.DEFAULT_BATCH if batch_size is None else batch_size)
     if trials is None and timeout is None:

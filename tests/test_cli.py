@@ -63,7 +63,7 @@ FRAMEWORK_OPTIONS = {"--framework", "--attention-backend", "--tp-comm-overlap", 
                      "--moe-token-dispatcher-type"}
 SURFACE = {
     "": {"--version"},
-    "search": PROBLEM_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
+    "search": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
                                  "--seed", "--objective", "--storage", "--study", "--batch-size",
                                  "--sensitivity", "--no-sensitivity", "--memory-headroom"},
     "predict": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
