@@ -171,3 +171,18 @@ def test_uneven_stages_in_the_timeline():
     # never faster than the heaviest stage's own work, never slower than every stage at full weight
     heavy = 32 * (tl["forward_s"] + tl["backward_s"])
     assert heavy < tl["makespan_s"] <= (32 + 15) * (tl["forward_s"] + tl["backward_s"]) + 1e-9
+
+
+def test_search_memory_headroom_flag(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    args = ["search", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "64",
+            "--seq-len", "4096", "--top", "3", "--no-sensitivity", "--no-save", "--json"]
+    rep = json.loads(CliRunner().invoke(app, args + ["--memory-headroom", "20%"]).stdout)
+    h = rep["headroom"]
+    assert h["headroom_frac"] == pytest.approx(0.2) and h["limit_gb"] == pytest.approx(0.8 * h["device_limit_gb"])
+    assert all(r["memory_gb"]["total"] <= h["limit_gb"] + 1e-6 and r["headroom_gb"] >= 0.2 * h["device_limit_gb"]
+               - 1e-6 for r in rep["top"])
+    bad = CliRunner().invoke(app, args + ["--memory-headroom", "lots"])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: memory_headroom:")
