@@ -191,7 +191,7 @@ def _table_html(header: list, rows: list) -> str:
 def write_plotlyjs(out_dir: str) -> str:
     path = os.path.join(out_dir, PLOTLYJS_FILE)
     if not os.path.exists(path):
-        with open(path, "w") as fh:
+        with open(path, "w", encoding="utf-8") as fh:
             fh.write(get_plotlyjs())
     return path
 

@@ -120,7 +120,8 @@ def ties_sentence(report: dict) -> str:
     if rec_i == 0:
         return (head + f" Plans 1-{max(ties['tied_with_best']) + 1} lie within the model's error ({tol:.1%}) of "
                 f"the fastest, which also has the most memory headroom ({rec['headroom_gb']:.1f} GB): recommended.")
-    return (head + f" {n} plans lie within the model's error ({tol:.1%}) of the fastest and are indistinguishable; "
+    return (head + f" {n} plans lie within the model's error ({tol:.1%}) of the fastest and are indistinguishable "
+            f"(marked ≈ in the Markdown table); "
             f"recommended: #{rec_i + 1} ({rec['step_time_s'] / best['step_time_s'] - 1:+.1%} step time, "
             f"{rec['headroom_gb']:.1f} GB headroom vs {best['headroom_gb']:.1f} GB).")
 

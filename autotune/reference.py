@@ -76,10 +76,10 @@ def _run_capacity(name: str, case: dict, out: str) -> dict:
     base = os.path.join(out, name)
     with open(base + ".json", "w") as fh:
         json.dump(report, fh, indent=2)
-    with open(base + ".md", "w") as fh:
+    with open(base + ".md", "w", encoding="utf-8") as fh:
         fh.write(cap.render_markdown(report))
     write_plotlyjs(out)
-    with open(base + ".html", "w") as fh:
+    with open(base + ".html", "w", encoding="utf-8") as fh:
         fh.write(capacity_page(report, plotlyjs="directory"))
     plans = [{"gpu": g["gpu"], "gpus": g["pick"]["gpus"], "plan": g["pick"]["plan"],
               "step_time_s": g["pick"]["step_time_s"], "memory_gb": g["pick"]["memory_gb"],

@@ -134,7 +134,8 @@ def render_markdown(report: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if extras else "")]
     for i, r in enumerate(report["top"], 1):
         pl = r["plan"]
-        lines.append(f"| {i} | {pl['tp']} | {pl['pp']} | {pl['dp']} | {pl['cp']} | {pl['ep']} | {pl['vpp']} | "
+        tie = " ≈" if i > 1 and r.get("tie_with_best") else ""        # within the model's error of #1
+        lines.append(f"| {i}{tie} | {pl['tp']} | {pl['pp']} | {pl['dp']} | {pl['cp']} | {pl['ep']} | {pl['vpp']} | "
                      f"{pl['mbs']} | {pl['recompute']} | {'on' if pl['sp'] else 'off'} | {pl['zero']} | "
                      f"{r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:.0f} | {r['model_tflops_per_gpu']:.0f} | "
                      f"{r['mfu']:.1%} | {r['memory_gb']['total']:.1f} | {'yes' if r['fits'] else 'no'} |"
@@ -178,11 +179,11 @@ def save_report(report: dict, out_dir: str, *, study=None, plotlyjs: str = "inli
     base = os.path.join(out_dir, report_basename(report))
     with open(base + ".json", "w") as fh:
         json.dump(report, fh, indent=2)
-    with open(base + ".md", "w") as fh:
+    with open(base + ".md", "w", encoding="utf-8") as fh:
         fh.write(render_markdown(report))
     if plotlyjs == "directory":
         write_plotlyjs(out_dir)
-    with open(base + ".html", "w") as fh:
+    with open(base + ".html", "w", encoding="utf-8") as fh:
         fh.write(search_page(report, study=study, plotlyjs=plotlyjs))
     return base + ".json", base + ".md", base + ".html"
 

@@ -83,7 +83,7 @@ def capacity(
             status.stop()
     if plot:
         from autotune.figures import capacity_page
-        with open(plot, "w") as fh:
+        with open(plot, "w", encoding="utf-8") as fh:
             fh.write(capacity_page(report))
         report["plot"] = plot
     code = EXIT_OK if report["best_gpu"] else EXIT_NOTHING_FITS
