@@ -113,8 +113,11 @@ def capacity_figure(report: dict) -> go.Figure:
             fig.add_trace(go.Scatter(x=[p["wall_days"]], y=[p["cost"] if priced else p["gpu_hours"]],
                                      mode="markers", marker={"size": 16, "symbol": "star"},
                                      name=f"{g['gpu']}: {p['gpus']} GPUs (pick)"))
-    if report.get("deadline_days"):
-        fig.add_vline(x=report["deadline_days"], line_dash="dash", line_color="red", annotation_text="deadline")
+    ys = [y for t in fig.data for y in t.y if y]
+    if report.get("deadline_days") and ys:
+        # a trace, not add_vline: its annotation is misplaced on log axes
+        fig.add_trace(go.Scatter(x=[report["deadline_days"]] * 2, y=[min(ys), max(ys)], mode="lines",
+                                 line={"dash": "dash", "color": "red"}, name=f"deadline {report['deadline_days']:g} d"))
     fig.update_layout(title=f"{report['model']}: time to train {report['tokens']:.3g} tokens vs "
                             f"{'cost ($)' if priced else 'GPU-hours'}",
                       xaxis_title="days (with failures and checkpoints)", xaxis_type="log", yaxis_type="log",
