@@ -239,3 +239,118 @@ def calibration_for_gpu(path: str | None, gpu: str) -> tuple[EfficiencyParams, s
                         f"{gpu!r}; fit one for {gpu} with `autotune calibrate RUNS.json --gpu {gpu} -o FILE`")
     return params, path
 
+
+
+# ------------------------------------------------------------------------------------------------
+# What a Megatron-LM log says about its own job (calibrate --megatron-log; issue 13)
+# ------------------------------------------------------------------------------------------------
+
+MIB = 2 ** 20
+#: relative gap between the log's peak memory and the plan's prediction above which calibrate warns
+#: (issue 14's memory target: within 15 %)
+MEMORY_WARN_FRAC = 0.15
+
+
+_WORLD = re.compile(r"using world size: (\d+), data-parallel size: (\d+), context-parallel size: (\d+), .*?"
+                    r"tensor-model-parallel size: (\d+), pipeline-model-parallel size: (\d+)")
+
+
+def megatron_log_job(text: str) -> dict:
+    """World size, TP, PP, DP, CP, global batch and sequence length from the top of a Megatron-LM log:
+    the "using world size: ..." line and the argument dump (arguments.py _print_args); the keys it
+    lacks are absent. `args` holds the dump ({} without one)."""
+    from .export import parse_megatron_arg_dump
+
+    args = parse_megatron_arg_dump(text)
+    out: dict = {"args": args}
+    m = _WORLD.search(text)
+    if m:       # initialize's summary line (arguments.py validate_args), also in logs without the dump
+        out.update(world_size=int(m.group(1)), dp=int(m.group(2)), cp=int(m.group(3)), tp=int(m.group(4)),
+                   pp=int(m.group(5)))
+    for key, name in (("world_size", "world_size"), ("tp", "tensor_model_parallel_size"),
+                      ("pp", "pipeline_model_parallel_size"), ("dp", "data_parallel_size"),
+                      ("cp", "context_parallel_size"), ("global_batch", "global_batch_size"),
+                      ("seq_len", "seq_length")):
+        v = args.get(name)
+        if v is not None and re.fullmatch(r"\d+", v.strip()):
+            out[key] = int(v)
+    return out
+
+
+def peak_memory_gb(parsed: dict) -> tuple[float, str] | None:
+    """(GB = 1e9 bytes, which figure) of the log's peak: max reserved when logged, else max allocated
+    (Megatron's report_memory prints MiB)."""
+    mems = parsed.get("memory") or []
+    if not mems:
+        return None
+    if any("max_reserved_mb" in m for m in mems):
+        return max(m.get("max_reserved_mb", 0.0) for m in mems) * MIB / 1e9, "max reserved"
+    return max(m["max_allocated_mb"] for m in mems) * MIB / 1e9, "max allocated"
+
+
+def memory_warning(parsed: dict, predicted_gb: float, tolerance: float = MEMORY_WARN_FRAC) -> str | None:
+    """A warning line when the log's peak memory and the plan's predicted memory differ by more than
+    `tolerance` (None when they agree or the log has no memory line)."""
+    peak = peak_memory_gb(parsed)
+    if peak is None or peak[0] <= 0:
+        return None
+    gap = predicted_gb / peak[0] - 1.0
+    if abs(gap) <= tolerance:
+        return None
+    return (f"the log's peak memory ({peak[1]} {peak[0]:.1f} GB) and the plan's predicted {predicted_gb:.1f} GB differ "
+            f"by {gap:+.0%} (more than {tolerance:.0%}): check that --plan is the plan that ran")
+
+
+def calibrate_megatron_log(path: str, *, model: str, gpu: str, gpus: int | None = None,
+                           global_batch: int | None = None, seq_len: int | None = None, precision: str = "bf16",
+                           gpus_per_node: int | None = None, plan: str | None = None, steps: int = 400) -> dict:
+    """`calibrate --megatron-log`: the world size, TP, PP, DP, global batch and sequence length come
+    from the log's argument dump when it has one (a flag given too must agree with it), the plan from
+    its parallelism arguments unless --plan is given; the fit is `calibrate_from_log`. The result's
+    `memory_warning` says when the log's peak memory disagrees with the plan's predicted memory."""
+    from . import api
+    from .export import plan_from_megatron_args
+
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise SpecError("megatron-log", f"cannot read {path}: {exc.strerror or exc}") from None
+    parsed = parse_megatron_log(text, path)
+    job = megatron_log_job(text)
+    read = []
+    for name, given, key in (("gpus", gpus, "world_size"), ("global-batch", global_batch, "global_batch"),
+                             ("seq-len", seq_len, "seq_len")):
+        if key in job and given is not None and given != job[key]:
+            raise SpecError(name, f"--{name} is {given}, but the log ran with {key.replace('_', ' ')} {job[key]}")
+        if key in job and given is None:
+            read.append(key)
+    gpus = gpus if gpus is not None else job.get("world_size")
+    if gpus is None:
+        raise SpecError("gpus", f"{path} has no argument dump (world_size); give --gpus")
+    if global_batch is None:
+        gbs = [i["global_batch"] for i in parsed["iterations"] if "global_batch" in i]
+        global_batch = job.get("global_batch", gbs[-1] if gbs else None)
+    problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch,
+                                seq_len=seq_len if seq_len is not None else job.get("seq_len"), precision=precision,
+                                gpus_per_node=gpus_per_node)
+    if plan:
+        the_plan = api.plan_from_text(plan, problem)
+        for knob in ("tp", "pp", "dp", "cp"):
+            if knob in job and getattr(the_plan, knob) != job[knob]:
+                raise SpecError(f"plan.{knob}", f"--plan has {knob}={getattr(the_plan, knob)}, but the log ran with "
+                                f"{knob}={job[knob]}")
+    elif job["args"]:
+        the_plan = api.plan_from_text(str(plan_from_megatron_args(job["args"], gpus, problem.model.num_layers,
+                                                                  problem.model.is_moe)), problem)
+        read.append("plan")
+    else:
+        raise SpecError("plan", f"{path} has no argument dump to read the plan from; give --plan")
+    doc = calibrate_from_log(problem, the_plan, parsed, steps=steps, log_path=path)
+    doc["fit"]["read_from_log"] = read
+    predicted = api.predict_plan(problem, the_plan)["memory_gb"]["total"]
+    peak = peak_memory_gb(parsed)
+    doc["fit"]["memory"] = {"predicted_gb": predicted, "log_peak_gb": peak[0] if peak else None,
+                            "log_figure": peak[1] if peak else None}
+    doc["memory_warning"] = memory_warning(parsed, predicted)
+    return doc

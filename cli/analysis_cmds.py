@@ -15,8 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 from autotune import api
-from autotune.measurements import (calibrate_from_log, calibrate_runs, calibration_for_gpu,
-                                   read_megatron_log, write_calibration)
+from autotune.measurements import (calibrate_megatron_log, calibrate_runs, calibration_for_gpu,
+                                   write_calibration)
 from autotune.report import plan_text, problem_dict
 from autotune.search import NoLegalPlan, NothingFits, exhaustive
 from autotune.sensitivity import sensitivity
@@ -128,7 +128,7 @@ def calibrate_cmd(
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "bf16",
     gpus_per_node: GpusPerNodeOpt = None,
-    plan: Annotated[Optional[str], typer.Option("--plan", help="With --megatron-log: the plan that ran.")] = None,
+    plan: Annotated[Optional[str], typer.Option("--plan", help="With --megatron-log: the plan that ran (default: read from the log's arguments).")] = None,
     as_json: JsonOpt = False,
 ) -> int:
     """Fit the efficiency parameters to measured runs (runs file or Megatron-LM log) of one GPU."""
@@ -139,17 +139,11 @@ def calibrate_cmd(
     if bool(measurements) == bool(megatron_log):
         raise SpecError("MEASUREMENTS", "give either a runs file or --megatron-log, not both or neither")
     if megatron_log:
-        missing = [n for n, v in (("--model", model), ("--gpus", gpus), ("--plan", plan)) if not v]
-        if missing:
-            raise SpecError("megatron-log", f"{', '.join(missing)} required with --megatron-log")
-        parsed = read_megatron_log(megatron_log)
-        if global_batch is None:
-            gbs = [i["global_batch"] for i in parsed["iterations"] if "global_batch" in i]
-            global_batch = gbs[-1] if gbs else None
-        problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
-                                    precision=precision, gpus_per_node=gpus_per_node)
-        the_plan = api.plan_from_text(plan, problem)
-        doc = calibrate_from_log(problem, the_plan, parsed, steps=steps, log_path=megatron_log)
+        if not model:
+            raise SpecError("megatron-log", "--model is required with --megatron-log")
+        doc = calibrate_megatron_log(megatron_log, model=model, gpu=gpu, gpus=gpus, global_batch=global_batch,
+                                     seq_len=seq_len, precision=precision, gpus_per_node=gpus_per_node, plan=plan,
+                                     steps=steps)
     else:
         rows = load_runs(measurements)
         doc = calibrate_runs(rows, gpu, holdout_frac=holdout_frac, seed=seed, rounds=rounds, steps=steps,
@@ -176,8 +170,10 @@ def calibrate_cmd(
                    _num(e["fitted"]), "-" if e["ratio_to_prior"] is None else f"{e['ratio_to_prior']:.2f}",
                    "; ".join(e["flags"]) or "-")
     con.print(pt)
-    for w in doc.get("warnings", []):
+    for w in doc.get("warnings", []) + ([doc["memory_warning"]] if doc.get("memory_warning") else []):
         con.print(Text(f"warning: {w}"))
+    if doc["fit"].get("read_from_log"):
+        con.print(Text(f"Read from the log: {', '.join(doc['fit']['read_from_log'])}."))
     con.print(Text(f"Calibration written to {out}"))
     return EXIT_OK
 

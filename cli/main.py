@@ -32,7 +32,7 @@ from autotune.report import (TIME_LABELS, add_sensitivity, extras_text, plan_tex
 from autotune.scoring import enable_compile_cache
 from autotune.advice import no_legal_plan_advice, nothing_fits_advice
 from autotune.search import NoLegalPlan, NothingFits
-from cli import capacity_cmds, optuna_cmds
+from cli import capacity_cmds, export_cmds, optuna_cmds
 from costmodels.specs import SpecError
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 2, 3
@@ -280,12 +280,14 @@ def search(
     grad_reduce_in_bf16: GradReduceBf16Opt = None,
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
+    export_to: export_cmds.ExportOpt = None,
     memory_headroom: capacity_cmds.HeadroomOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
                            moe_token_dispatcher_type)
     _check_memory_limit(memory_limit_gb)
+    export_to = export_to and export_cmds.parse_target(export_to)
     room = capacity_cmds.headroom_of(gpu, cluster, memory_limit_gb, memory_headroom)
     memory_limit_gb = room.limit_gb if room else memory_limit_gb
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
@@ -302,7 +304,8 @@ def search(
             top=top, memory_limit_gb=memory_limit_gb, out=out, no_save=no_save, as_json=as_json,
             calibration=calibration, trials=trials, timeout=timeout, sampler=sampler, seed=seed,
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
-            requested=strategy, with_sensitivity=with_sensitivity, framework=fw, headroom=room)
+            requested=strategy, with_sensitivity=with_sensitivity, framework=fw, export_to=export_to,
+            headroom=room)
     problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
                        inter_node_bw, cluster, fw)
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
@@ -324,6 +327,7 @@ def search(
     if with_sensitivity:
         with _spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
+    export_cmds.finish_report(report, problem, export_to)
     saved = None
     if not no_save:
         try:
@@ -332,7 +336,7 @@ def search(
             raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
     if as_json:
         _print_json(report)
-        return EXIT_OK
+        return export_cmds.export_exit(report)
     con = _stdout_console()
     _print_wide_table(con, _plans_table(report["top"]))
     con.print()
@@ -348,7 +352,8 @@ def search(
     if strategy != "exhaustive":
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {', '.join(saved)}" if saved else "Report not saved (--no-save)."))
-    return EXIT_OK
+    export_cmds.print_plan_lines(con, report)
+    return export_cmds.export_exit(report)
 
 
 @app.command()
@@ -386,13 +391,13 @@ def predict(
     at_limit = capacity_cmds.flag_at_limit(rep)
     code = EXIT_OK if rep["fits"] else EXIT_NOTHING_FITS
     if as_json:
-        _print_json({**rep, "problem": problem_dict(problem), "calibration": params_source})
+        _print_json({**rep, "problem": problem_dict(problem), "calibration": params_source,
+                     "problem_text": export_cmds.problem_text(problem), "plan_text": plan_text(rep["plan"])})
     else:
         mem = rep["memory_gb"]
         con = _stdout_console()
-        con.print(Text(f"{problem.model.name} on {problem.cluster.num_gpus} x {problem.cluster.gpu.name}, "
-                       f"global batch {problem.job.global_batch} x {problem.job.seq_len} tokens, "
-                       f"{problem.job.precision.value}"))
+        con.print(Text(f"Problem: {export_cmds.problem_text(problem)}."))
+        con.print(Text(f"Plan: --plan \"{plan_text(rep['plan'])}\""))
         con.print(Text(f"Plan {plan_text(rep['plan'])}: {rep['step_time_s']:.3f} s per step, "
                        f"{rep['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
                        f"{rep['model_tflops_per_gpu']:.0f} model TFLOP/s per GPU, MFU {rep['mfu']:.1%}, "
@@ -456,6 +461,8 @@ from cli.analysis_cmds import register as _register_analysis  # noqa: E402
 _register_analysis(app)
 # issue 4: worker / studies (search --strategy optuna|auto goes through optuna_cmds.run_optuna_search)
 optuna_cmds.register(app)
+# issue 13/14: export / check / launch (search --export goes through export_cmds.finish_report)
+export_cmds.register(app)
 capacity_cmds.register(app)
 
 

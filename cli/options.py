@@ -15,7 +15,18 @@ GpusPerNodeOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", help="
 IntraBwOpt = Annotated[Optional[float], typer.Option("--intra-node-bw", help="Intra-node GB/s per GPU per direction.")]
 InterBwOpt = Annotated[Optional[float], typer.Option("--inter-node-bw", help="Inter-node GB/s per GPU per direction.")]
 ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", help="Cluster file (YAML or JSON) or a shipped cluster name.")]
-MemLimitOpt = Annotated[Optional[float], typer.Option("--memory-limit-gb", help="Usable memory per GPU in GB (default: the GPU's).")]
+def _memory_limit_gb(text: str) -> float:
+    """--memory-limit's value in GB (10^9 bytes), the unit the API takes."""
+    from costmodels.specs import SpecError, parse_bytes
+    try:
+        return parse_bytes(text, "memory_limit") / 1e9
+    except SpecError as exc:
+        raise typer.BadParameter(exc.reason) from None
+
+
+MemLimitOpt = Annotated[Optional[float], typer.Option(
+    "--memory-limit", "--memory-limit-gb", parser=_memory_limit_gb, metavar="SIZE",
+    help="Usable memory per GPU: 80GiB, 76GB (a bare number is GB = 10^9 bytes; default: the GPU's HBM).")]
 CalibrationOpt = Annotated[Optional[str], typer.Option("--calibration", help="Efficiency-parameter file (default: shipped defaults).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout and nothing else.")]
 

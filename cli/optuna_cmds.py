@@ -24,6 +24,7 @@ from autotune import optuna_search as osr
 from autotune import api
 from cli.options import JsonOpt
 from autotune.headroom import annotate
+from cli.export_cmds import export_exit, finish_report, print_plan_lines
 from autotune.report import add_sensitivity, extras_text, report_basename, save_report, search_report, uses_extras
 from autotune.search import NothingFits
 from autotune.studies import export_study, list_studies, redact_url, show_study
@@ -192,7 +193,8 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       sampler: Optional[str], seed: Optional[int], objectives: Optional[list],
                       storage: Optional[str], study: Optional[str], batch_size: Optional[int],
                       choice: osr.StrategyChoice | None = None, requested: str = "optuna",
-                      with_sensitivity: bool = True, framework: Optional[dict] = None, headroom=None) -> int:
+                      with_sensitivity: bool = True, framework: Optional[dict] = None,
+                      export_to: str | None = None, headroom=None) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
     if isinstance(gpus, GpuRange) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
@@ -227,6 +229,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     if with_sensitivity and getattr(result, "problem", None) is not None:
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
+    finish_report(report, result.problem, export_to)
     saved = None
     if not no_save:
         try:
@@ -239,7 +242,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         _print_json(report)
         if code == EXIT_INTERRUPTED:
             _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
-        return code
+        return code or export_exit(report)
     con = _console()
     con.print(Text(f"Strategy: optuna ({report['strategy_choice']['reason']}); sampler {info['sampler']}, "
                    f"seed {info['seed']}, batch {info['batch_size']}."))
@@ -258,9 +261,10 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         con.print(Text(f"Report saved to {', '.join(saved)} (plots: Optuna's history, Pareto front, importances)"))
     else:
         con.print(Text("Report not saved (--no-save)."))
+    print_plan_lines(con, report)
     if code == EXIT_INTERRUPTED:
         _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
-    return code
+    return code or export_exit(report)
 
 
 # ------------------------------------------------------------------------------------------------

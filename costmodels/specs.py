@@ -6,6 +6,8 @@ whose message names the field, the value and the rule.
 """
 from __future__ import annotations
 
+import re
+
 import enum
 from dataclasses import dataclass, fields
 
@@ -60,6 +62,26 @@ def _non_negative(name: str, value) -> None:
     if value is None or value < 0:
         raise SpecError(name, f"must be >= 0, got {value!r}")
 
+
+
+#: byte units a memory size may carry (decimal SI and binary IEC prefixes)
+BYTE_UNITS = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+              "KIB": 2.0 ** 10, "MIB": 2.0 ** 20, "GIB": 2.0 ** 30, "TIB": 2.0 ** 40}
+
+
+def parse_bytes(text, field: str, default_unit: str = "GB") -> float:
+    """A memory size with its unit: "80GiB", "76GB", "76 GB", "0.5TiB"; a bare number is in
+    `default_unit`. GB is 10^9 bytes, GiB 2^30 (an "80 GB" H100 holds 80 GiB = 85.9 GB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m:
+        raise SpecError(field, f"must be a size such as 80GiB or 76GB, got {text!r}")
+    value, unit = float(m.group(1)), (m.group(2) or default_unit).upper()
+    if unit not in BYTE_UNITS:
+        raise SpecError(field, f"unknown unit {m.group(2)!r} in {text!r}; use GB (10^9 bytes) or GiB (2^30)")
+    size = value * BYTE_UNITS[unit]
+    if not (size > 0 and size < 1e15):
+        raise SpecError(field, f"must be a positive size below 1 PB, got {text!r}")
+    return size
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:

@@ -56,7 +56,7 @@ def assert_one_line_error(result, code: int, *needles: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 PROBLEM_OPTIONS = {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--gpus-per-node",
-                   "--intra-node-bw", "--inter-node-bw", "--cluster", "--memory-limit-gb", "--json",
+                   "--intra-node-bw", "--inter-node-bw", "--cluster", "--memory-limit-gb", "--memory-limit", "--json",
                    "--calibration"}
 FRAMEWORK_OPTIONS = {"--framework", "--attention-backend", "--tp-comm-overlap", "--no-tp-comm-overlap",
                      "--grad-reduce-in-bf16", "--grad-reduce-in-fp32", "--fp8-param-gather", "--no-fp8-param-gather",
@@ -65,21 +65,28 @@ SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
                                  "--seed", "--objective", "--storage", "--study", "--batch-size",
-                                 "--sensitivity", "--no-sensitivity", "--memory-headroom"},
+                                 "--sensitivity", "--no-sensitivity", "--export", "--memory-headroom"},
     "predict": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
     "validate": {"file", "--dataset", "--json", "--all", "--calibration"},
     "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
-                "--intra-node-bw", "--inter-node-bw", "--memory-limit-gb", "--json", "--calibration"},
+                "--intra-node-bw", "--inter-node-bw", "--memory-limit-gb", "--memory-limit", "--json", "--calibration"},
     "calibrate": {"measurements", "--gpu", "--out", "-o", "--holdout-frac", "--seed", "--rounds", "--steps",
                   "--megatron-log", "--model", "--gpus", "--global-batch", "--seq-len", "--precision",
                   "--gpus-per-node", "--plan", "--json"},
     "whatif": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--inter-node-bw",
-               "--gpus-per-node", "--memory-limit-gb", "--json"},
+               "--gpus-per-node", "--memory-limit-gb", "--memory-limit", "--json"},
     "worker": {"--storage", "--study", "--trials", "--timeout", "--batch-size", "--seed", "--stale-after", "--json"},
     "studies": {"--storage", "--study", "--export", "--top", "--json"},
     "capacity": {"--model", "--tokens", "--gpu", "--deadline", "--price-per-gpu-hour", "--power-w", "--mtbf-hours",
                  "--checkpoint-s", "--restart-s", "--objective", "--min-gpus", "--max-gpus", "--global-batch",
                  "--seq-len", "--precision", "--memory-headroom", "--calibration", "--plot", "--json"},
+    "export": (PROBLEM_OPTIONS - {"--memory-limit-gb", "--memory-limit", "--calibration"}) | FRAMEWORK_OPTIONS
+    | {"--to", "--report", "--plan", "--top", "--out"},
+    "check": {"plan_or_report", "--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision",
+              "--gpus-per-node", "--cluster", "--max-memory-frac", "--min-mfu", "--baseline", "--max-regression",
+              "--memory-limit-gb", "--memory-limit", "--calibration", "--json"},
+    "launch": {"--plan", "--model", "--megatron-path", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision",
+               "--gpus-per-node", "--cluster", "--launcher", "--train-iters", "--dry-run", "--log", "--out", "--json"},
 }
 
 
@@ -366,7 +373,7 @@ BAD_SEARCH = {
     "zero seq len": (_problem(seq="0"), ("seq_len",)),
     "unknown precision": (_problem() + ["--precision", "int3"], ("precision", "int3")),
     "precision the gpu lacks": (_problem() + ["--precision", "fp4"], ("precision", "fp4")),
-    "zero memory limit": (_problem() + ["--memory-limit-gb", "0"], ("memory_limit_gb",)),
+    "zero memory limit": (_problem() + ["--memory-limit", "0"], ("--memory-limit",)),
     "unknown strategy": (_problem() + ["--strategy", "annealing"], ("strategy", "exhaustive")),
     "missing cluster file": (_problem() + ["--cluster", "/nonexistent/cluster.yaml"], ("cluster_file",)),
     "missing calibration file": (_problem() + ["--calibration", "/nonexistent/params.json"], ("calibration",)),
@@ -462,3 +469,21 @@ def test_console_script_bad_input_one_line(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stdout == "" and proc.stderr.strip() == "error: Missing option '--model'."
+
+
+@pytest.mark.parametrize("text, gb", [("80GiB", 80 * 2**30 / 1e9), ("76GB", 76.0), ("76", 76.0), ("76 gb", 76.0),
+                                      ("0.5TiB", 0.5 * 2**40 / 1e9), ("81559MiB", 81559 * 2**20 / 1e9)])
+def test_memory_limit_takes_units(text, gb):
+    """--memory-limit: GB = 10^9 bytes, GiB = 2^30 (an "80 GB" H100 holds 80 GiB = 85.9 GB)."""
+    res = runner.invoke(app, ["predict", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--plan",
+                              "tp=1,pp=1,mbs=1,recompute=full,zero=1", "--memory-limit", text, "--json"])
+    out = json.loads(res.stdout)
+    assert out["memory_gb"]["limit"] == pytest.approx(gb, rel=1e-6)
+
+
+@pytest.mark.parametrize("text", ["80XB", "-5", "abc", "0GB", "1e30GB"])
+def test_memory_limit_rejects_bad_sizes(text):
+    res = runner.invoke(app, ["predict", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--plan",
+                              "tp=1,pp=1,mbs=1,recompute=full,zero=1", "--memory-limit", text])
+    assert res.exit_code == 2
+    assert "--memory-limit" in res.output and "Traceback" not in res.output

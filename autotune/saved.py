@@ -1,0 +1,70 @@
+"""Saved search reports read back: the problem they solved and their plans (for export and check).
+
+A report's `problem` holds the spec dicts of `report.problem_dict`; reports written before the
+framework options existed hold `flash_attention` / `tp_comm_overlap` in `job` instead, and are read
+the same way (unknown keys are ignored, missing ones take the spec defaults).
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from costmodels.plan import DEFAULT_RECOMPUTE_MODULES, Plan
+from costmodels.specs import (AttentionBackend, ClusterSpec, DispatcherType, Framework, FrameworkSpec, GPUSpec,
+                              JobSpec, ModelSpec, Precision, Recompute, SpecError)
+from search_spaces.space import Problem
+
+from .files import read_json
+
+def _known(cls, d: dict) -> dict:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+def _framework(job: dict) -> FrameworkSpec:
+    fw = dict(job.get("framework") or {})
+    if "flash_attention" in job and "attention_backend" not in fw:
+        fw["attention_backend"] = "flash" if job["flash_attention"] else "unfused"
+    if "tp_comm_overlap" in job and "tp_comm_overlap" not in fw:
+        fw["tp_comm_overlap"] = bool(job["tp_comm_overlap"])
+    v = _known(FrameworkSpec, fw)
+    if "framework" in v:
+        v["framework"] = Framework.parse(v["framework"])
+    if "attention_backend" in v:
+        v["attention_backend"] = AttentionBackend.parse(v["attention_backend"])
+    if "moe_token_dispatcher_type" in v:
+        v["moe_token_dispatcher_type"] = DispatcherType.parse(v["moe_token_dispatcher_type"])
+    return FrameworkSpec(**v)
+
+def problem_from_report(report: dict, source: str = "report") -> Problem:
+    """The Problem a saved report solved (model, GPU, cluster and job specs as saved)."""
+    p = report.get("problem") if isinstance(report, dict) else None
+    if not isinstance(p, dict) or not all(isinstance(p.get(k), dict) for k in ("model", "gpu", "cluster", "job")):
+        raise SpecError("report", f"{source} has no problem (model, gpu, cluster, job); is it an autotune report?")
+    try:
+        model = ModelSpec(**_known(ModelSpec, p["model"]))
+        gpu = GPUSpec(**_known(GPUSpec, p["gpu"]))
+        cluster = ClusterSpec(gpu=gpu, **_known(ClusterSpec, {k: v for k, v in p["cluster"].items() if k != "gpu"}))
+        job = p["job"]
+        spec = JobSpec(global_batch=job["global_batch"], seq_len=job["seq_len"],
+                       precision=Precision.parse(job.get("precision", "bf16")), framework=_framework(job))
+    except (KeyError, TypeError) as exc:
+        raise SpecError("report", f"{source}: problem is incomplete ({exc})") from None
+    return Problem(model, cluster, spec)
+
+def report_plans(report: dict, top: int = 1, source: str = "report") -> list:
+    """The best plan and the next ones of a report's `top` list (at most `top`, best first)."""
+    rows = report.get("top") or ([report["best"]] if report.get("best") else [])
+    if not rows:
+        raise SpecError("report", f"{source} lists no plan ('best' / 'top')")
+    try:
+        plans = [Plan.from_dict(r["plan"]) for r in rows[:max(1, top)]]
+    except (KeyError, TypeError) as exc:
+        raise SpecError("report", f"{source}: a plan entry is malformed ({exc})") from None
+    # reports written before recompute_modules existed: selective meant Megatron's default set
+    return [p.replace(recompute_modules=DEFAULT_RECOMPUTE_MODULES)
+            if p.recompute is Recompute.SELECTIVE and not p.recompute_modules else p for p in plans]
+
+def read_report(path: str) -> dict:
+    doc = read_json(path, "report")
+    if not isinstance(doc, dict):
+        raise SpecError("report", f"{path} must hold a JSON object (an autotune report)")
+    return doc
