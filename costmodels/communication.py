@@ -104,9 +104,11 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
                     lt: LayerTimes, stage_layers_s, H: dict, grad_bytes, e: EfficiencyParams):
     """Exposed gradient / parameter traffic per step of the stage with most parameters.
 
-    ZeRO 0: all-reduce of gradients, overlapped with the last micro-batch's backward. ZeRO 1/2
-    (distributed optimizer): reduce-scatter under the last backward + all-gather under the first
-    forward [MG, Z20]. ZeRO 3 / FSDP: per micro-batch two gathers of parameters (forward,
+    ZeRO 0: all-reduce of gradients, overlapped with the last micro-batch's backward. ZeRO 1
+    (Megatron's distributed optimizer): gradients accumulate in a full buffer, one reduce-scatter
+    under the last backward + one all-gather under the first forward [MG, Z20]. ZeRO 2 (DeepSpeed;
+    Megatron has none): each rank keeps only its gradient shard, so every micro-batch's backward
+    reduce-scatters its gradients [Z20 sec. 5.2]. ZeRO 3 / FSDP: per micro-batch two gathers of parameters (forward,
     backward) and a reduce-scatter of gradients, layer by layer (many smaller collectives that
     compete with compute for SMs: zero3_bw_eff); with prefetch they hide under the layers' work
     except about two layers' worth (the first gather, the last reduce-scatter)."""
@@ -128,9 +130,10 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
 
     m = S.micro_batches
     z0 = exposed(ar, win_b)
-    z12 = exposed(rs, win_b) + exposed(ag, win_f)
+    z1 = exposed(rs, win_b) + exposed(ag, win_f)
+    z2 = m * exposed(rs, win_b) + exposed(ag, win_f)
     t_z3 = m * (2.0 * ag + rs) / e.zero3_bw_eff
     # the window is the layers' work only: the embedding and output layer come before the first
     # gather and after the last reduce-scatter, and compute already hides TP/CP traffic
     z3 = jnp.maximum(t_z3 - m * stage_layers_s, 2.0 * t_z3 / (m * layers))
-    return jnp.where(S.zero == 0, z0, jnp.where(S.zero >= 3, z3, z12))
+    return jnp.where(S.zero == 0, z0, jnp.where(S.zero >= 3, z3, jnp.where(S.zero == 2, z2, z1)))

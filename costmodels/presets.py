@@ -355,9 +355,24 @@ def load_model(name_or_path: str) -> ModelSpec:
 # ---------------------------------------------------------------------------------------------
 
 _CLUSTER_FIELDS = ("name", "gpu", "gpus", "gpus_per_node", "nvlink_domain_size",
-                   "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps", "fabric_bandwidth_factor",
+                   "intra_node_bandwidth_gb_per_s", "inter_node_bandwidth_gb_per_s", "fabric_bandwidth_factor",
                    "intra_node_latency_us", "inter_node_latency_us", "sites")
-_SITE_FIELDS = ("count", "gpus_per_site", "wan_bandwidth_gbps", "wan_latency_ms")
+_SITE_FIELDS = ("count", "gpus_per_site", "wan_bandwidth_gb_per_s", "wan_latency_ms")
+#: earlier names of the bandwidth fields: "gbps" read as GB/s, which most readers take for Gb/s
+_OLD_BANDWIDTH_KEYS = {"intra_node_bandwidth_gbps": "intra_node_bandwidth_gb_per_s",
+                       "inter_node_bandwidth_gbps": "inter_node_bandwidth_gb_per_s",
+                       "wan_bandwidth_gbps": "wan_bandwidth_gb_per_s"}
+
+
+def _renamed(data: dict, prefix: str) -> dict:
+    """The file's fields with the old *_gbps names read as their *_gb_per_s successors (both: an error)."""
+    out = dict(data)
+    for old, new in _OLD_BANDWIDTH_KEYS.items():
+        if old in out:
+            if new in out:
+                raise SpecError(f"{prefix}.{old}", f"give {new} only (GB/s; {old} is its old name)")
+            out[new] = out.pop(old)
+    return out
 
 
 def shipped_cluster_files() -> list[str]:
@@ -432,6 +447,7 @@ def _sites(file: dict, num_gpus: int | None) -> tuple[dict, int | None]:
         return {"num_sites": 1}, None
     if not isinstance(sites, dict):
         raise SpecError("cluster.sites", f"must be a mapping with {', '.join(_SITE_FIELDS)}")
+    sites = _renamed(sites, "cluster.sites")
     _check_known(sites, _SITE_FIELDS, "cluster.sites")
     count = _positive_int("cluster.sites.count", sites.get("count"))
     per_site = sites.get("gpus_per_site")
@@ -445,7 +461,7 @@ def _sites(file: dict, num_gpus: int | None) -> tuple[dict, int | None]:
     out = {"num_sites": count}
     if count > 1:
         out["wan_bw_bytes_per_s"] = _positive_number(
-            "cluster.sites.wan_bandwidth_gbps", sites.get("wan_bandwidth_gbps")) * GIGA
+            "cluster.sites.wan_bandwidth_gb_per_s", sites.get("wan_bandwidth_gb_per_s")) * GIGA
         out["wan_latency_s"] = _positive_number(
             "cluster.sites.wan_latency_ms", sites.get("wan_latency_ms")) * MILLI
     return out, (count * per_site if per_site is not None else None)
@@ -460,6 +476,7 @@ def build_cluster(*, gpu: str | None = None, num_gpus: int | None = None,
     than one NVLink domain is a partial node: its domain is all of its GPUs.
     """
     file = _read_mapping(resolve_cluster_file(cluster_file), "cluster_file") if cluster_file else {}
+    file = _renamed(file, "cluster")
     _check_known(file, _CLUSTER_FIELDS, "cluster")
 
     gpu_name, gpu_field = _pick(gpu, "gpu", file, "gpu")
@@ -504,9 +521,9 @@ def build_cluster(*, gpu: str | None = None, num_gpus: int | None = None,
         num_gpus=gpus,
         nvlink_domain_size=min(domain, per_site),
         intra_node_bw_bytes_per_s=_bandwidth(intra_node_bw_gbps, "intra_node_bw_gbps", file,
-                                             "intra_node_bandwidth_gbps", gpu_spec.intra_node_bw_bytes_per_s),
+                                             "intra_node_bandwidth_gb_per_s", gpu_spec.intra_node_bw_bytes_per_s),
         inter_node_bw_bytes_per_s=_bandwidth(inter_node_bw_gbps, "inter_node_bw_gbps", file,
-                                             "inter_node_bandwidth_gbps", gpu_spec.inter_node_bw_bytes_per_s),
+                                             "inter_node_bandwidth_gb_per_s", gpu_spec.inter_node_bw_bytes_per_s),
         fabric_bw_factor=float(factor),
         name=str(name),
         **site_fields,

@@ -905,3 +905,15 @@ def test_accounting_the_embedding_and_loss_makes_end_stages_lighter(layers, pp, 
             assert first == mid - acc_e          # the unit sits in the first (last) chunk only
             assert last == mid - acc_l
     assert checked >= 1
+
+
+def test_zero2_reduces_gradients_every_micro_batch(llama8b_inputs):
+    """DeepSpeed ZeRO-2 keeps only a gradient shard, so it reduce-scatters each micro-batch's
+    gradients [ZeRO sec. 5.2]; Megatron's distributed optimizer (ZeRO-1) reduces once per step.
+    ZeRO-2 therefore saves gradient memory and never time."""
+    inp = llama8b_inputs
+    plans = [Plan(tp=1, pp=1, dp=64, mbs=1, zero=z) for z in (1, 2)]
+    out = _evaluate(_arrays(plans), inp.model, inp.hw, inp.job)
+    assert out["memory.gradients"][1] < out["memory.gradients"][0]
+    assert out["time.dp_comm"][1] > out["time.dp_comm"][0]
+    assert out["step_time_s"][1] >= out["step_time_s"][0]

@@ -231,7 +231,7 @@ def test_cluster_file_with_inconsistent_gpu_counts_exits_2(tmp_path):
     from typer.testing import CliRunner
     from cli.main import app
     f = tmp_path / "bad.yaml"
-    f.write_text("gpu: h100\ngpus: 1024\nsites: {count: 2, gpus_per_site: 256, wan_bandwidth_gbps: 100, "
+    f.write_text("gpu: h100\ngpus: 1024\nsites: {count: 2, gpus_per_site: 256, wan_bandwidth_gb_per_s: 100, "
                  "wan_latency_ms: 10}\n")
     res = CliRunner().invoke(app, ["search", "--model", "llama3-8b", "--cluster", str(f), "--no-save"])
     assert res.exit_code == 2

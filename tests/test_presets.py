@@ -347,9 +347,9 @@ def test_shipped_cluster_files_and_readme():
     assert shipped_cluster_files() == ["dgx-h100-superpod.yaml", "nvl72.yaml", "two-sites.yaml"]
     readme = (CLUSTER_DIR / "README.md").read_text()
     for name in ("name", "gpu", "gpus", "nvlink_domain_size", "gpus_per_node",
-                 "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps", "fabric_bandwidth_factor",
+                 "intra_node_bandwidth_gb_per_s", "inter_node_bandwidth_gb_per_s", "fabric_bandwidth_factor",
                  "intra_node_latency_us", "inter_node_latency_us", "sites", "count", "gpus_per_site",
-                 "wan_bandwidth_gbps", "wan_latency_ms"):
+                 "wan_bandwidth_gb_per_s", "wan_latency_ms"):
         assert f"`{name}`" in readme, name
 
 
@@ -399,8 +399,8 @@ def test_partial_node_is_fine():
 
 def test_cli_overrides_file_overrides_preset(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("gpu: a100-80gb\ngpus: 128\ninter_node_bandwidth_gbps: 12.5\n"
-                 "intra_node_bandwidth_gbps: 250\nfabric_bandwidth_factor: 0.5\n"
+    f.write_text("gpu: a100-80gb\ngpus: 128\ninter_node_bandwidth_gb_per_s: 12.5\n"
+                 "intra_node_bandwidth_gb_per_s: 250\nfabric_bandwidth_factor: 0.5\n"
                  "inter_node_latency_us: 10\n")
     c = build_cluster(cluster_file=str(f))
     assert (c.gpu.name, c.num_gpus, c.fabric_bw_factor) == ("a100-80gb", 128, 0.5)
@@ -415,7 +415,7 @@ def test_cli_overrides_file_overrides_preset(tmp_path):
 def test_json_cluster_file_and_gpus_from_sites(tmp_path):
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"gpu": "h100", "sites": {"count": 4, "gpus_per_site": 64,
-                                                      "wan_bandwidth_gbps": 100, "wan_latency_ms": 5}}))
+                                                      "wan_bandwidth_gb_per_s": 100, "wan_latency_ms": 5}}))
     c = build_cluster(cluster_file=str(f))
     assert (c.num_gpus, c.num_sites, c.wan_bw_bytes_per_s) == (256, 4, 100 * B)
 
@@ -426,7 +426,7 @@ def _write(tmp_path, text, name="c.yaml"):
     return str(f)
 
 
-SITES = "sites: {count: 2, gpus_per_site: 256, wan_bandwidth_gbps: 100, wan_latency_ms: 10}\n"
+SITES = "sites: {count: 2, gpus_per_site: 256, wan_bandwidth_gb_per_s: 100, wan_latency_ms: 10}\n"
 
 BAD_CLUSTERS = [
     # (file text, CLI kwargs, field, words in the reason)
@@ -434,13 +434,13 @@ BAD_CLUSTERS = [
      "2 sites x 256 GPUs = 512, but gpus = 1024"),
     ("gpu: h100\n" + SITES, {"num_gpus": 1024}, "cluster.sites.gpus_per_site", "= 512, but gpus = 1024"),
     ("gpu: h100\ngpus: 1001\n", {}, "cluster.gpus", "not a multiple of the NVLink domain size 8"),
-    ("gpu: h100\ngpus: 100\nsites: {count: 2, wan_bandwidth_gbps: 1, wan_latency_ms: 1}\n", {},
+    ("gpu: h100\ngpus: 100\nsites: {count: 2, wan_bandwidth_gb_per_s: 1, wan_latency_ms: 1}\n", {},
      "cluster.sites.gpus_per_site", "50 GPUs per site is not a multiple"),
-    ("gpu: h100\ngpus: 1001\nsites: {count: 2, wan_bandwidth_gbps: 1, wan_latency_ms: 1}\n", {},
+    ("gpu: h100\ngpus: 1001\nsites: {count: 2, wan_bandwidth_gb_per_s: 1, wan_latency_ms: 1}\n", {},
      "cluster.sites.count", "does not split evenly over 2 sites"),
     ("gpu: h100\ngpus: 64\nsites: {count: 2, wan_latency_ms: 10}\n", {},
-     "cluster.sites.wan_bandwidth_gbps", "positive number"),
-    ("gpu: h100\ngpus: 64\nsites: {count: 2, wan_bandwidth_gbps: 10}\n", {},
+     "cluster.sites.wan_bandwidth_gb_per_s", "positive number"),
+    ("gpu: h100\ngpus: 64\nsites: {count: 2, wan_bandwidth_gb_per_s: 10}\n", {},
      "cluster.sites.wan_latency_ms", "positive number"),
     ("gpu: h100\ngpus: 64\nsites: {gpus_per_site: 32}\n", {}, "cluster.sites.count", "positive integer"),
     ("gpu: h100\ngpus: 64\nsites: 2\n", {}, "cluster.sites", "must be a mapping"),
@@ -458,7 +458,7 @@ BAD_CLUSTERS = [
      "must be in (0, 1]"),
     ("gpu: h100\ngpus: 64\nfabric_bandwidth_factor: 0\n", {}, "cluster.fabric_bandwidth_factor",
      "positive number"),
-    ("gpu: h100\ngpus: 64\ninter_node_bandwidth_gbps: fast\n", {}, "cluster.inter_node_bandwidth_gbps",
+    ("gpu: h100\ngpus: 64\ninter_node_bandwidth_gb_per_s: fast\n", {}, "cluster.inter_node_bandwidth_gb_per_s",
      "positive number"),
     ("gpu: h100\ngpus: 64\n", {"intra_node_bw_gbps": -1}, "intra_node_bw_gbps", "positive number"),
     ("gpu: h100\ngpus: 64\ngpus_per_node: 8\nnvlink_domain_size: 4\n", {},
@@ -498,3 +498,19 @@ def test_cli_only_errors():
 @pytest.mark.parametrize("gpu, gpus, domain", [("gb200", 256, 64), ("gb300", 100, 50), ("gb200", 144, 72)])
 def test_rack_scale_jobs_take_an_equal_share_of_each_rack(gpu, gpus, domain):
     assert build_cluster(gpu=gpu, num_gpus=gpus).nvlink_domain_size == domain
+
+
+def test_cluster_files_read_old_gbps_names_as_gb_per_s(tmp_path):
+    """*_gbps was the old spelling of *_gb_per_s (GB/s): read the same; both at once are refused."""
+    from costmodels.presets import build_cluster
+    from costmodels.specs import SpecError
+    old = tmp_path / "old.yaml"
+    old.write_text("gpu: h100\ngpus: 16\ninter_node_bandwidth_gbps: 25\n")
+    new = tmp_path / "new.yaml"
+    new.write_text("gpu: h100\ngpus: 16\ninter_node_bandwidth_gb_per_s: 25\n")
+    assert build_cluster(cluster_file=str(old)).inter_node_bw_bytes_per_s == 25e9
+    assert build_cluster(cluster_file=str(new)).inter_node_bw_bytes_per_s == 25e9
+    both = tmp_path / "both.yaml"
+    both.write_text("gpu: h100\ngpus: 16\ninter_node_bandwidth_gbps: 25\ninter_node_bandwidth_gb_per_s: 25\n")
+    with pytest.raises(SpecError, match="inter_node_bandwidth_gbps"):
+        build_cluster(cluster_file=str(both))
