@@ -129,11 +129,12 @@ class FailureModel:
     restart_s: float = DEFAULT_RESTART_S
 
     def __post_init__(self):
-        for name in ("gpu_mtbf_hours", "checkpoint_s"):
-            if not getattr(self, name) > 0:
-                raise SpecError(name, f"must be positive, got {getattr(self, name)!r}")
-        if not self.restart_s >= 0:
-            raise SpecError("restart_s", f"must be >= 0, got {self.restart_s!r}")
+        for name, flag in (("gpu_mtbf_hours", "mtbf_hours"), ("checkpoint_s", "checkpoint_s")):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise SpecError(flag, f"must be a positive number, got {value!r}")
+        if not (self.restart_s >= 0 and math.isfinite(self.restart_s)):
+            raise SpecError("restart_s", f"must be a number >= 0, got {self.restart_s!r}")
 
 
 def training_figures(gpus, step_time_s, *, tokens: float, tokens_per_step: float, failures: FailureModel,
