@@ -127,7 +127,7 @@ def ties_sentence(report: dict) -> str:
 
 
 def device_headroom(gpu: str | None, cluster_file: str | None, memory_limit_gb: float | None,
-                    frac: float) -> Headroom | None:
+                    frac: float, num_gpus: int | None = None) -> Headroom | None:
     """The headroom of a problem given as CLI flags: the device memory is --memory-limit-gb if given,
     else the GPU preset's (or the cluster file's GPU's) memory. None when neither names a GPU (the
     problem's own check then reports the missing flag)."""
@@ -136,6 +136,6 @@ def device_headroom(gpu: str | None, cluster_file: str | None, memory_limit_gb: 
         return headroom_for(memory_limit_gb, frac)
     if gpu:
         return headroom_for(load_gpu(gpu).hbm_bytes / 1e9, frac)
-    if cluster_file:
-        return headroom_for(build_cluster(cluster_file=cluster_file).gpu.hbm_bytes / 1e9, frac)
+    if cluster_file:       # the file's GPU; the count (--gpus, when the file has none) only to read it
+        return headroom_for(build_cluster(cluster_file=cluster_file, num_gpus=num_gpus).gpu.hbm_bytes / 1e9, frac)
     return None

@@ -129,11 +129,12 @@ def register(app: typer.Typer) -> None:
 
 # search's --memory-headroom and ties (kept here so cli/main.py changes by a few lines only)
 
-def headroom_of(gpu, cluster, memory_limit_gb, memory_headroom):
+def headroom_of(gpu, cluster, memory_limit_gb, memory_headroom, gpu_count=None):
     from autotune.headroom import device_headroom
     # --memory-limit-gb is already the usable memory: the default headroom applies to the device's own
     frac = parse_fraction(memory_headroom, "memory_headroom", 0.0 if memory_limit_gb else DEFAULT_MEMORY_HEADROOM_FRAC)
-    return device_headroom(gpu, cluster, memory_limit_gb, frac)
+    n = getattr(gpu_count, "low", gpu_count)           # a GPU range: its smallest count
+    return device_headroom(gpu, cluster, memory_limit_gb, frac, n)
 
 
 def annotate_headroom(report: dict, room) -> None:

@@ -288,9 +288,9 @@ def search(
                            moe_token_dispatcher_type)
     _check_memory_limit(memory_limit_gb)
     export_to = export_to and export_cmds.parse_target(export_to)
-    room = capacity_cmds.headroom_of(gpu, cluster, memory_limit_gb, memory_headroom)
-    memory_limit_gb = room.limit_gb if room else memory_limit_gb
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
+    room = capacity_cmds.headroom_of(gpu, cluster, memory_limit_gb, memory_headroom, gpu_count)
+    memory_limit_gb = room.limit_gb if room else memory_limit_gb
     given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed, objective,
                                                                       storage, study, batch_size)) if value is not None]
     choice = optuna_cmds.choose(strategy, gpus=gpu_count, objectives=objective, optuna_options=given,

@@ -196,3 +196,17 @@ def test_tie_tolerance_is_the_measured_ranking_error():
     baseline = Path(__file__).resolve().parent / "benchmarks" / "baselines" / "ranking.json"
     loso = json.loads(baseline.read_text())["sets"]["small-scale"]["loso"]["summary"]["mean_regret_pct"]
     assert STEP_TIME_TIE_FRAC == pytest.approx(loso / 100, abs=0.001)
+
+
+def test_headroom_with_a_cluster_file_without_a_gpu_count(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("gpu: h100\nnvlink_domain_size: 8\n")
+    res = CliRunner().invoke(app, ["search", "--model", "llama3-8b", "--cluster", cluster, "--gpus", "8",
+                                   "--global-batch", "64", "--seq-len", "4096", "--top", "1", "--no-sensitivity",
+                                   "--no-save", "--json"])
+    assert res.exit_code == 0, res.stderr
+    h = json.loads(res.stdout)["headroom"]
+    assert h["device_limit_gb"] == pytest.approx(80 * 2**30 / 1e9) and h["headroom_frac"] == 0.05
