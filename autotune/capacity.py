@@ -71,8 +71,8 @@ def parse_duration_s(text: str, field: str = "deadline") -> float:
     if not m:
         raise SpecError(field, f"expected a duration such as 90d, 12w or 2160h, got {text!r}")
     value = float(m.group(1)) * SECONDS_PER[(m.group(2) or "d").lower()]
-    if not value > 0:
-        raise SpecError(field, f"must be positive, got {text!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise SpecError(field, f"must be a positive, finite duration, got {text!r}")
     return value
 
 

@@ -75,7 +75,7 @@ def test_parsing_at_the_edge():
     assert cap.parse_duration_s("36") == 36 * 86400
     assert cap.parse_per_gpu("h100=2.5, b200=4", "price", ["h100", "b200"]) == {"h100": 2.5, "b200": 4.0}
     assert cap.parse_per_gpu("3", "price", ["h100", "b200"]) == {"h100": 3.0, "b200": 3.0}
-    for bad in ("soon", "-3d", "0h"):
+    for bad in ("soon", "-3d", "0h", "1e400d"):
         with pytest.raises(ValueError, match="deadline"):
             cap.parse_duration_s(bad)
     with pytest.raises(ValueError, match="price"):
