@@ -26,6 +26,10 @@ from .params import EfficiencyParams
 #: kernels an MoE layer launches beyond a dense one: router GEMM, softmax/top-k, (un)permute,
 #: all-to-all preparation (Megatron-Core token dispatcher)
 MOE_EXTRA_KERNELS = 10.0
+#: kernels per local expert per forward: Transformer Engine's GroupedLinear runs fc1 and fc2 as one
+#: GEMM per expert, plus the activation; in fp8 / fp4 each expert's input is also cast (2 more)
+KERNELS_PER_LOCAL_EXPERT = 3.0
+KERNELS_PER_LOCAL_EXPERT_LOW_PRECISION = 2.0
 #: bytes per routed token per hidden unit for (un)permuting tokens: read + write, to and from the
 #: expert order, bf16 (Megatron-Core moe_utils.permute / unpermute)
 PERMUTE_BYTES_PER_H = 4.0 * 2.0
@@ -198,6 +202,14 @@ def elementwise_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     return attn, dense, moe
 
 
+def moe_kernels(S: Shapes, M: dict, J: dict):
+    """Kernels an MoE layer launches beyond a dense one: the dispatcher's, and each local expert's
+    GEMMs, activation and (in low precision) input casts."""
+    local = jnp.maximum(M["experts"], 1.0) / S.ep
+    per_expert = KERNELS_PER_LOCAL_EXPERT + J["low_precision"] * KERNELS_PER_LOCAL_EXPERT_LOW_PRECISION
+    return MOE_EXTRA_KERNELS + local * per_expert
+
+
 def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> LayerWork:
     elem_attn, elem_dense, elem_moe = elementwise_s(S, M, H, J, e)
     mlp_moe, mlp_moe_shared = moe_mlp_s(S, M, H, J, e)
@@ -206,7 +218,7 @@ def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> Lay
         attn_proj=attention_projections_s(S, M, H, J, e), attn_core=attention_core_s(S, M, H, J, e),
         mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=dense_mlp_s(S, M, H, J, e),
         mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, elem_dense=elem_dense, elem_moe=elem_moe,
-        kernels_dense=kern, kernels_moe=kern + MOE_EXTRA_KERNELS * e.kernel_overhead_s)
+        kernels_dense=kern, kernels_moe=kern + moe_kernels(S, M, J) * e.kernel_overhead_s)
 
 
 class LayerTimes(NamedTuple):

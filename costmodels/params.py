@@ -14,31 +14,31 @@ import jax.numpy as jnp
 
 class EfficiencyParams(NamedTuple):
     # --- compute ---
-    gemm_eff_max: float = 0.5904          # large bf16 GEMM fraction of peak (H100 cuBLAS ~750-800/989 TF)
-    gemm_eff_max_fp8: float = 0.6631      # large fp8 GEMM fraction of fp8 peak (TE/cuBLASLt, smaller than bf16)
-    gemm_dim_half: float = 12.22         # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim
-    attn_eff_max: float = 0.6492          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
+    gemm_eff_max: float = 0.5823          # large bf16 GEMM fraction of peak (H100 cuBLAS ~750-800/989 TF)
+    gemm_eff_max_fp8: float = 0.6113      # large fp8 GEMM fraction of fp8 peak (TE/cuBLASLt, smaller than bf16)
+    gemm_dim_half: float = 10.7         # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim
+    attn_eff_max: float = 0.676          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
     attn_seq_half: float = 256        # sequence length at which attention efficiency halves
     attn_bwd_ratio: float = 2.5         # flash-attention backward time / forward time (5 vs 2 GEMMs)
-    softmax_bytes_per_score: float = 8.889  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
-    hbm_eff: float = 0.9097               # achieved fraction of HBM bandwidth for memory-bound kernels
-    elementwise_bytes_h: float = 11.01   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
-    elementwise_bytes_f: float = 7.124    # bytes moved per token per FFN unit per layer fwd (activation fn)
-    lp_cast_bytes: float = 0.8239          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
-    kernel_overhead_s: float = 2.853e-05     # launch + tail per kernel (dominates small models)
+    softmax_bytes_per_score: float = 8.733  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
+    hbm_eff: float = 0.9161               # achieved fraction of HBM bandwidth for memory-bound kernels
+    elementwise_bytes_h: float = 10.2   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
+    elementwise_bytes_f: float = 8.555    # bytes moved per token per FFN unit per layer fwd (activation fn)
+    lp_cast_bytes: float = 0.6065          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
+    kernel_overhead_s: float = 1.496e-05     # launch + tail per kernel (dominates small models)
     # --- communication ---
-    intra_bw_eff: float = 0.9045          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
-    inter_bw_eff: float = 0.4541          # achieved NIC bandwidth fraction
-    tp_comm_overlap: float = 0.3695        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
-    dp_overlap: float = 0.5917             # fraction of DP grad reduce / param gather that may hide under compute
+    intra_bw_eff: float = 0.911          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
+    inter_bw_eff: float = 0.8187          # achieved NIC bandwidth fraction
+    tp_comm_overlap: float = 0.2731        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
+    dp_overlap: float = 0.4365             # fraction of DP grad reduce / param gather that may hide under compute
     cp_overlap: float = 0.9             # fraction of ring-attention KV exchange hidden under attention compute
-    pp_overlap: float = 0.5895             # fraction of pipeline p2p hidden under compute
-    ep_overlap: float = 0.02438             # fraction of MoE all-to-all hidden under compute
-    moe_imbalance: float = 1.023         # busiest expert rank load / mean (force-balanced routing ~1.0)
-    step_overhead_s: float = 0.01558       # per optimizer step fixed host work (logging, grad-norm, scheduler)
-    microbatch_overhead_s: float = 0.00284 # per micro-batch host work (data, schedule bookkeeping)
-    collective_latency_s: float = 6.276e-05  # fixed launch + synchronization cost of one NCCL collective
-    zero3_bw_eff: float = 0.1829           # ZeRO-3/FSDP per-layer gathers: fraction of the bus bandwidth reached
+    pp_overlap: float = 0.5831             # fraction of pipeline p2p hidden under compute
+    ep_overlap: float = 0.2482             # fraction of MoE all-to-all hidden under compute
+    moe_imbalance: float = 1.017         # busiest expert rank load / mean (force-balanced routing ~1.0)
+    step_overhead_s: float = 0.02431       # per optimizer step fixed host work (logging, grad-norm, scheduler)
+    microbatch_overhead_s: float = 0.006622 # per micro-batch host work (data, schedule bookkeeping)
+    collective_latency_s: float = 0.0001101  # fixed launch + synchronization cost of one NCCL collective
+    zero3_bw_eff: float = 0.1363           # ZeRO-3/FSDP per-layer gathers: fraction of the bus bandwidth reached
     # --- memory ---
     mem_fragmentation: float = 1.01     # allocator overhead on dynamic memory (expandable_segments, as NeMo recipes set)
 
