@@ -195,6 +195,7 @@ def optuna_search(spec: StudySpec, *, n_trials: int | None = DEFAULT_TRIALS, tim
     result = summarize(study, spec, space, scorer, top_k=top_k, elapsed_s=time.perf_counter() - t0, run=run,
                        storage_url=storage_url)
     result.extra["optuna"].update(resumed=resumed, interrupted=run.interrupted, seeded=seeded is not None)
+    result.study = study                  # for the report's Optuna plots (not part of the JSON)
     return result
 
 

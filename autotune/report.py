@@ -167,13 +167,15 @@ def render_markdown(report: dict) -> str:
              f"(strategy {report['strategy']}, calibration {report['calibration']}).", "",
              f"Job: global batch {p['job']['global_batch']:,} x {p['job']['seq_len']:,} tokens, "
              f"precision {p['job']['precision']}.", "", "## Why this plan", "", report["explanation"], "",
+             *_ties_lines(report),
              "## Best plans", "",
              "| # | " + " | ".join(knob_label(k) for k in knobs)
              + " | step (s) | tokens/s/GPU | TFLOP/s/GPU | MFU | memory (GB) | fits |",
              "|---|" + "---|" * (len(knobs) + 6)]
     for i, r in enumerate(report["top"], 1):
         pl = r["plan"]
-        lines.append(f"| {i} | " + " | ".join(knob_cell(k, pl) for k in knobs)
+        tie = " ≈" if i > 1 and r.get("tie_with_best") else ""        # within the model's error of #1
+        lines.append(f"| {i}{tie} | " + " | ".join(knob_cell(k, pl) for k in knobs)
                      + f" | {r['step_time_s']:.3f} | {r['tokens_per_s_per_gpu']:,.0f} | "
                      f"{r['model_tflops_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['memory_gb']['total']:.1f} | "
                      f"{'yes' if r['fits'] else 'no'} |")
@@ -194,10 +196,30 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def save_report(report: dict, out_dir: str) -> tuple[str, str]:
-    """Write the report as strict JSON (the source of truth) and Markdown under a name no other
+def _ties_lines(report: dict) -> list:
+    """The headroom and ties sentence and the plans flagged at the memory limit (empty without them)."""
+    from .headroom import ties_sentence
+    if not report.get("ties"):
+        return []
+    out = [ties_sentence(report), ""]
+    flagged = [str(i) for i, r in enumerate(report["top"], 1) if r.get("at_limit")]
+    if flagged:
+        out += [f"**At the memory limit** (above {report['headroom']['at_limit_frac']:.0%} of the device): "
+                f"plan {', '.join(flagged)}.", ""]
+    return out
+
+
+def save_report(report: dict, out_dir: str, *, study=None, plotlyjs: str = "inline") -> tuple[str, str, str]:
+    """Write the report as strict JSON (the source of truth), its Markdown rendering and the HTML page
+    with plots (plotly; with an Optuna `study`, Optuna's own study plots too), under a name no other
     report holds (concurrent searches into one folder keep every report), each atomically."""
+    from .figures import search_page, write_plotlyjs
+
     base = os.path.join(out_dir, report_basename(report))
     json_path = write_text_atomic(base + ".json", dumps_json(report) + "\n", "out", exclusive=True)
-    md_path = write_text_atomic(json_path[:-len(".json")] + ".md", render_markdown(report), "out")
-    return json_path, md_path
+    stem = json_path[:-len(".json")]
+    md_path = write_text_atomic(stem + ".md", render_markdown(report), "out")
+    if plotlyjs == "directory":
+        write_plotlyjs(out_dir)
+    html_path = write_text_atomic(stem + ".html", search_page(report, study=study, plotlyjs=plotlyjs), "out")
+    return json_path, md_path, html_path

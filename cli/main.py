@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autotune import __version__
-from cli import export_cmds, optuna_cmds, verify_cmds
+from cli import capacity_cmds, export_cmds, optuna_cmds, verify_cmds
 from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineErrors, check_problem_options,
                         configure_compile_cache, error_line, print_json, print_plans, print_table, spinner,
                         stdout_console, thousands)
@@ -170,6 +170,7 @@ def search(
     moe_token_dispatcher_type: DispatcherOpt = None,
     export_to: export_cmds.ExportOpt = None,
     verify_top: verify_cmds.VerifyTopOpt = None,
+    memory_headroom: capacity_cmds.HeadroomOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     from autotune import api
@@ -182,6 +183,8 @@ def search(
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
+    room = capacity_cmds.headroom_of(gpu, cluster, memory_limit_gb, memory_headroom, gpu_count)
+    memory_limit_gb = room.limit_gb if room else memory_limit_gb
     given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed,
                                                                       storage, study, batch_size)) if value is not None]
     problem = None
@@ -202,20 +205,26 @@ def search(
             top=top, memory_limit_gb=memory_limit_gb, out=out, no_save=no_save, as_json=as_json,
             calibration=calibration, trials=trials, timeout=timeout, sampler=sampler, seed=seed,
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
-            requested=strategy, with_sensitivity=with_sensitivity, framework=fw, export_to=export_to)
-    from autotune.search import NothingFits
+            requested=strategy, with_sensitivity=with_sensitivity, framework=fw, export_to=export_to,
+            headroom=room)
+    from autotune.advice import no_legal_plan_advice, nothing_fits_advice
+    from autotune.search import NoLegalPlan, NothingFits
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
         with spinner("Scoring every legal plan...", enabled=not as_json):
             result = api.search(problem, strategy="exhaustive", top_k=top, memory_limit_gb=memory_limit_gb,
                                 params=params)
     except NothingFits as exc:
+        advice = nothing_fits_advice(problem, params, memory_limit_gb)
         if as_json:
-            print_json({"error": str(exc), "closest": exc.closest, "space": exc.space})
-        error_line(str(exc))
+            print_json({"error": str(exc), "closest": exc.closest, "space": exc.space, "advice": advice})
+        error_line(f"{exc}; {advice['sentence']}")
         return EXIT_NOTHING_FITS
+    except NoLegalPlan as exc:
+        raise NoLegalPlan(exc.field, f"{str(exc).split(': ', 1)[1]}; {no_legal_plan_advice(problem)['sentence']}") from None
     report = search_report(result, params_source)
     report["strategy_choice"] = {"requested": strategy, **choice.as_dict()}
+    capacity_cmds.annotate_headroom(report, room)
     if with_sensitivity:
         with spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
@@ -244,6 +253,7 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
     con.print()
     con.print(Text(report["explanation"]))
     con.print()
+    capacity_cmds.print_ties(con, report)
     if report.get("sensitivity"):
         con.print(Text("What would help the best plan (elasticities through the cost model):"))
         for sentence in report["sensitivity"]["sentences"][:5]:
@@ -254,7 +264,7 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
         verify_cmds.print_verification(con, report["verification"])
     if strategy != "exhaustive":
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
-    con.print(Text(f"Report saved to {saved[0]} and {saved[1]}" if saved else "Report not saved."))
+    con.print(Text(f"Report saved to {', '.join(saved)}" if saved else "Report not saved."))
     export_cmds.print_plan_lines(con, report)
     note = sliding_window_note(problem)
     if note:
@@ -296,6 +306,7 @@ def predict(
     the_plan = api.plan_from_text(plan, problem)
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     rep = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)
+    at_limit = capacity_cmds.flag_at_limit(rep)
     code = EXIT_OK if rep["fits"] else EXIT_NOTHING_FITS
     if as_json:
         print_json({**rep, "problem": problem_dict(problem), "calibration": params_source,
@@ -314,6 +325,8 @@ def predict(
                        f"({'fits' if rep['fits'] else 'does NOT fit'})."))
         print_table(con, _time_table(rep))
         print_table(con, _memory_table(rep))
+        if at_limit:
+            con.print(Text(at_limit))
     if not rep["fits"]:
         error_line(over_limit_line(rep))
     return code
@@ -375,6 +388,7 @@ verify_cmds.register(app)   # issue 14: verify (search --verify-top: cli/verify_
 from cli import list_cmds  # noqa: E402  (issue 13: models / gpus / clusters)
 
 list_cmds.register(app)
+capacity_cmds.register(app)   # issue 13: capacity planning
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from rich.text import Text
 
 from autotune import api
 from autotune import optuna_search as osr
-from autotune.plots import save_pareto_html
+from autotune.headroom import annotate
 from autotune.report import extras_text, report_basename, save_report, search_report, uses_extras
 from autotune.search import NothingFits
 from autotune.sensitivity import add_sensitivity
@@ -201,21 +201,9 @@ def _markdown_section(report: dict) -> str:
         for i, f in enumerate(front, 1):
             lines.append(f"| {i} | {f.get('trial', '')} | " + " | ".join(_fmt(f["values"][n]) for n in names)
                          + f" | {','.join(f'{k}={v}' for k, v in f['plan'].items())} |")
-        if o.get("pareto_plot"):
-            lines += ["", f"[Pareto front (interactive plot)]({o['pareto_plot']})"]
+        lines += ["", f"Plots (Optuna's history, Pareto front, parameter importances): "
+                      f"[{report_basename(report)}.html]({report_basename(report)}.html)"]
     return "\n".join(lines)
-
-
-def _write_plot(report: dict, result, out: str) -> None:
-    """The Pareto front of a multi-objective study as Optuna's plotly figure (HTML) next to the report."""
-    o = report.get("optuna") or {}
-    objs = [x["name"] for x in o.get("objectives", [])]
-    if len(objs) < 2 or not o.get("pareto_front") or result.study is None:
-        return
-    title = f"{report['problem']['model']['name']}: Pareto front of " + ", ".join(objs)
-    name = report_basename(report) + "_pareto.html"
-    save_pareto_html(result.study, objs, title, os.path.join(out, name))
-    o["pareto_plot"] = name
 
 
 def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Optional[int],
@@ -227,7 +215,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       storage: Optional[str], study: Optional[str], batch_size: Optional[int],
                       choice: osr.StrategyChoice | None = None, requested: str = "optuna",
                       with_sensitivity: bool = True, framework: Optional[dict] = None,
-                      export_to: str | None = None) -> int:
+                      export_to: str | None = None, headroom=None) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
     if isinstance(gpus, GpuRange) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
@@ -261,8 +249,11 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
             _print_json({"error": str(exc), "closest": exc.closest, "space": exc.space})
         _error_line(str(exc))
         return EXIT_NOTHING_FITS
+    (result.extra.get("optuna") or {}).pop("pareto_points", None)   # the HTML page plots the front from the study
     report = search_report(result, calibration or "defaults")
-    report["strategy_choice"] = {"requested": requested, **choice.as_dict()}
+    report["strategy_choice"] = {"requested": requested, **(choice or osr.StrategyChoice("optuna", "requested")).as_dict()}
+    if headroom is not None:
+        annotate(report, headroom)
     if with_sensitivity and getattr(result, "problem", None) is not None:
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
@@ -270,10 +261,9 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     saved = None
     if not no_save:
         try:
-            _write_plot(report, result, out)
             report.setdefault("sections", []).insert(0, {"title": "Optuna" if "optuna" in report else "GPU range",
                                                          "markdown": _markdown_section(report)})
-            saved = save_report(report, out)
+            saved = save_report(report, out, study=getattr(result, "study", None))
         except OSError as exc:
             raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
     info = report.get("optuna") or {}
@@ -314,8 +304,7 @@ def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str) -> N
         con.print(Text(f"{sp['legal']:,} legal plans over {sp['gpu_counts']} GPU counts, {sp['fitting']:,} fit; "
                        f"scored in {report['elapsed_s']:.2f} s."))
     if saved:
-        plot = f" and {os.path.join(out, info['pareto_plot'])}" if info.get("pareto_plot") else ""
-        con.print(Text(f"Report saved to {saved[0]}, {saved[1]}{plot}"))
+        con.print(Text(f"Report saved to {', '.join(saved)} (plots: Optuna's history, Pareto front, importances)"))
     else:
         con.print(Text("Report not saved (--no-save)."))
     print_plan_lines(con, report)

@@ -65,7 +65,7 @@ SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
                                  "--seed", "--objective", "--storage", "--study", "--batch-size",
-                                 "--sensitivity", "--no-sensitivity", "--export", "--verify-top"},
+                                 "--sensitivity", "--no-sensitivity", "--export", "--verify-top", "--memory-headroom"},
     "predict": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
     "validate": {"file", "--dataset", "--json", "--all", "--calibration"},
     "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
@@ -79,6 +79,9 @@ SURFACE = {
                "--json"},
     "worker": {"--storage", "--study", "--trials", "--timeout", "--batch-size", "--seed", "--stale-after", "--json"},
     "studies": {"--storage", "--study", "--export", "--top", "--json"},
+    "capacity": {"--model", "--tokens", "--gpu", "--deadline", "--price-per-gpu-hour", "--power-w", "--mtbf-hours",
+                 "--checkpoint-s", "--restart-s", "--objective", "--min-gpus", "--max-gpus", "--global-batch",
+                 "--seq-len", "--precision", "--memory-headroom", "--calibration", "--plot", "--json"},
     "export": (PROBLEM_OPTIONS - {"--memory-limit-gb", "--memory-limit", "--calibration"}) | FRAMEWORK_OPTIONS
     | {"--to", "--report", "--plan", "--top", "--out"},
     "check": {"plan_or_report", "--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision",
@@ -147,8 +150,17 @@ def test_search_json_schema(search_json):
 def test_search_json_saves_the_same_report(search_json):
     report, out = search_json
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) == 2 and files[0].endswith(".json") and files[1].endswith(".md")
+    assert len(files) == 3 and [f.rsplit(".", 1)[1] for f in files] == ["html", "json", "md"]
+    files = files[1:] + files[:1]
     assert json.loads((out / files[0]).read_text()) == report
+    # the HTML page is self-contained (plotly.js inline, no external script) and holds the plots
+    page = (out / files[2]).read_text()
+    assert "<script src=" not in page and page.count("Plotly.newPlot") >= 3
+    assert "Peak memory per GPU by plan" in page and "Step time by plan and term" in page
+    # the 5 % default headroom is applied and reported, ties are marked
+    assert report["headroom"]["headroom_frac"] == 0.05
+    assert report["best"]["memory_gb"]["limit"] == pytest.approx(0.95 * report["headroom"]["device_limit_gb"], rel=1e-4)
+    assert report["ties"]["tied_with_best"][0] == 0
     assert "llama3-8b" in files[0]
 
 
@@ -162,7 +174,8 @@ def test_search_human(tmp_path):
     assert "The fastest plan" in text                    # the explanation paragraph
     assert "legal" in text and "fit in memory" in text   # the space summary
     assert "Report saved to" in text
-    assert len(list((tmp_path / "out").iterdir())) == 2
+    assert len(list((tmp_path / "out").iterdir())) == 3
+    assert "Memory headroom 5%" in text
     assert result.stderr == ""
 
 
@@ -185,8 +198,8 @@ def test_search_nothing_fits_json(tmp_path):
     result = run("search", *SMALL, "--memory-limit-gb", "1", "--json", "--out", tmp_path)
     line = assert_one_line_error(result, 3, "memory", "closest", "GB over")
     data = json.loads(result.stdout)
-    assert set(data) == {"error", "closest", "space"}
-    assert data["error"] in line
+    assert set(data) == {"error", "closest", "space", "advice"}
+    assert data["error"] in line and data["advice"]["sentence"] in line
     assert set(data["closest"]["plan"]) == PLAN_KNOBS and data["closest"]["fits"] is False
     assert data["space"]["fitting"] == 0 and data["space"]["legal"] > 0
     assert list(tmp_path.iterdir()) == []

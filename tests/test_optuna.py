@@ -381,7 +381,7 @@ def test_cli_search_optuna_json(tmp_path):
     assert rep["strategy"] == "optuna" and o["sampler"] == "tpe" and o["seed"] == 1 and o["n_trials"] == 40
     assert o["storage"] == "memory" and o["objectives"][0]["name"] == "tokens_per_s"
     assert rep["best"]["fits"]
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md"]
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".html", ".json", ".md"]
 
 
 def test_cli_search_auto_says_which(tmp_path):
@@ -403,11 +403,14 @@ def test_cli_pareto_front_and_plot(tmp_path):
     assert rep["strategy_choice"]["chosen"] == "optuna" and "--sampler" in rep["strategy_choice"]["reason"]
     front = rep["optuna"]["pareto_front"]
     assert front and all(set(f["values"]) == {"tokens_per_s", "gpus"} for f in front)
-    plot = tmp_path / rep["optuna"]["pareto_plot"]
-    html = plot.read_text()
-    assert plot.suffix == ".html" and "plotly" in html and "Pareto front of tokens_per_s, gpus" in html
+    page = next(tmp_path.glob("*.html")).read_text()
+    # Optuna's own plots (optuna.visualization), drawn by plotly: history, Pareto front, importances
+    for heading in ("Optimisation history: tokens_per_s", "Optimisation history: gpus", "Pareto front",
+                    "Parameter importances"):
+        assert heading in page, heading
+    assert page.count("Plotly.newPlot") >= 6
     md = next(tmp_path.glob("*.md")).read_text()
-    assert "Pareto" in md and rep["optuna"]["pareto_plot"] in md
+    assert "Pareto" in md and page and next(tmp_path.glob("*.html")).name in md
 
 
 def test_cli_range_is_scored_exhaustively_when_small(tmp_path):
