@@ -30,7 +30,7 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 # autotune.launch.LAUNCHERS and autotune.check.DEFAULT_MAX_MEMORY_FRAC.
 TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed")
 LAUNCHERS = ("torchrun", "slurm")
-DEFAULT_MAX_MEMORY_FRAC = 0.92
+DEFAULT_MAX_MEMORY_FRAC = 0.95
 
 
 def parse_target(text: str) -> str:

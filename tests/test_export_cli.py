@@ -87,15 +87,15 @@ def test_check_passes_fails_with_numbers_and_compares_to_a_baseline(tmp_path):
 
 
 def test_check_a_saved_report_on_its_own_problem_and_on_another():
-    report = "results/llama3-70b_h100x512_20261202T132756.json"
+    report = "results/reference/dense_llama3-70b_h100x512.json"
     r = run("check", report, "--json")
     own = json.loads(r.stdout)
-    assert own["plan"].startswith("tp=2,pp=4,dp=32,cp=2,") and own["conditions"][0]["name"] == "memory"
+    assert own["plan"].startswith("tp=4,pp=4,dp=32,cp=1,") and own["conditions"][0]["name"] == "memory"
     assert r.exit_code == (0 if own["ok"] else 1)       # today's cost model decides, not the saved numbers
     other = run("check", report, "--model", "llama3-70b", "--gpu", "h100", "--gpus", "1024", "--global-batch", "1024",
                 "--seq-len", "8192", "--json")
     assert other.exit_code in (0, 1), other.stderr
-    assert json.loads(other.stdout)["plan"].startswith("tp=2,pp=4,dp=64,cp=2,")     # dp from --gpus
+    assert json.loads(other.stdout)["plan"].startswith("tp=4,pp=4,dp=64,cp=1,")     # dp from --gpus
 
 
 def test_check_bad_input_exits_2():
