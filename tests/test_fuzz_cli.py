@@ -349,8 +349,8 @@ def test_unwritable_compile_cache_is_disabled_quietly(monkeypatch):
 
 
 def test_internal_errors_are_one_line_with_a_bug_hint(monkeypatch):
-    import autotune.api
-    monkeypatch.setattr(autotune.api, "plan_from_text", lambda *a: {}["boom"])
+    import autotune.problem                       # predict parses --plan with it before importing autotune.api
+    monkeypatch.setattr(autotune.problem, "plan_from_text", lambda *a: {}["boom"])
     result = run("predict", *SMALL, "--plan", "tp=1")
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     assert len(result.stderr.splitlines()) == 1 and "bug" in result.stderr and "KeyError" in result.stderr
