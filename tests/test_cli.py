@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from autotune import __version__
 from autotune.datasets import dataset_path
 from cli.main import app
+from costmodels.specs import SpecError
 
 REPO = Path(__file__).resolve().parents[1]
 PUBLIC_RUNS = Path(dataset_path("public"))        # the bundled copy of shared/validation/public_runs.json
@@ -203,6 +204,20 @@ def test_search_unwritable_out(tmp_path):
     result = run("search", *SMALL, "--json", "--out", blocker)
     assert_one_line_error(result, 2, "out", "cannot write")
     assert result.stdout == ""
+
+def test_search_report_not_saved_still_prints_then_one_error_line(tmp_path, monkeypatch):
+    """The exhaustive path's contract (the Optuna path's twin is in tests/test_optuna.py): the folder
+    went away after the up-front check, the result is printed anyway, then one error line, exit 2."""
+    import autotune.report as report_mod
+
+    def refuse(report, out_dir):
+        raise SpecError("out", f"cannot write into {out_dir}: No such file or directory")
+
+    monkeypatch.setattr(report_mod, "save_report", refuse)
+    result = run("search", *SMALL, "--strategy", "exhaustive", "--no-sensitivity", "--json", "--out", tmp_path)
+    assert_one_line_error(result, 2, "out", "cannot write")
+    assert json.loads(result.stdout)["best"]["fits"]
+
 
 def test_search_nothing_fits_json(tmp_path):
     result = run("search", *SMALL, "--memory-limit-gb", "1", "--json", "--out", tmp_path)
