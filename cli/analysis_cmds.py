@@ -14,7 +14,9 @@ from rich.text import Text
 from cli.common import (EXIT_NOTHING_FITS, EXIT_OK, check_problem_options, error_line, print_json, print_table,
                         stdout_console, thousands)
 from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt,  # noqa: E402
-                         IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt)
+                         IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
+                         FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
+                         DispatcherOpt, framework_options)
 from costmodels.specs import SpecError
 
 
@@ -42,6 +44,12 @@ def explain(
     memory_limit_gb: MemLimitOpt = None,
     as_json: JsonOpt = False,
     calibration: CalibrationOpt = None,
+    framework: FrameworkOpt = None,
+    attention_backend: AttentionBackendOpt = None,
+    tp_comm_overlap: TpCommOverlapOpt = None,
+    grad_reduce_in_bf16: GradReduceBf16Opt = None,
+    fp8_param_gather: Fp8ParamGatherOpt = None,
+    moe_token_dispatcher_type: DispatcherOpt = None,
 ) -> int:
     """What limits a plan and what would help: elasticities of step time, tokens/s and memory.
     Exit code 3 when the plan (or, without --plan, every legal plan) does not fit."""
@@ -54,7 +62,10 @@ def explain(
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                                 precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
-                                inter_node_bw=inter_node_bw, cluster_file=cluster)
+                                inter_node_bw=inter_node_bw, cluster_file=cluster,
+                                framework=framework_options(framework, attention_backend, tp_comm_overlap,
+                                                            grad_reduce_in_bf16, fp8_param_gather,
+                                                            moe_token_dispatcher_type))
     params, _ = api.load_params(calibration, problem.cluster.gpu.name)
     if plan:
         the_plan = api.plan_from_text(plan, problem)
@@ -188,6 +199,12 @@ def whatif(
     memory_limit_gb: MemLimitOpt = None,
     calibration: Annotated[Optional[str], typer.Option("--calibration", help="Efficiency-parameter file, applied to the GPU it was fitted for (the others use the defaults).")] = None,
     as_json: JsonOpt = False,
+    framework: FrameworkOpt = None,
+    attention_backend: AttentionBackendOpt = None,
+    tp_comm_overlap: TpCommOverlapOpt = None,
+    grad_reduce_in_bf16: GradReduceBf16Opt = None,
+    fp8_param_gather: Fp8ParamGatherOpt = None,
+    moe_token_dispatcher_type: DispatcherOpt = None,
 ) -> int:
     """Best plan for the same model and job on several GPUs and fabrics, side by side.
     Exit code 3 when no variant has a plan that fits."""
@@ -201,12 +218,14 @@ def whatif(
     if calibration:
         from autotune.measurements import read_calibration
         calibrated_gpu = str(read_calibration(calibration)[1].get("gpu") or "").lower() or None
+    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
+                           moe_token_dispatcher_type)
     rows = []
     for g in gpu:
         for bw in list(inter_node_bw or []) or [None]:
             problem = api.build_problem(model=model, gpu=g, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                                         precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
-                                        inter_node_bw=bw, cluster_file=cluster)
+                                        inter_node_bw=bw, cluster_file=cluster, framework=fw)
             name = problem.cluster.gpu.name
             use_file = calibration if calibration and calibrated_gpu in (None, name.lower()) else None
             params, source = api.load_params(use_file, name)

@@ -57,8 +57,8 @@ def _root(
 
 def _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
              inter_node_bw, cluster, framework=None):
-    from autotune import api
-    return api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
+    from autotune.problem import build_problem       # numpy only: bad input is refused before JAX loads
+    return build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                              precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
                              inter_node_bw=inter_node_bw, cluster_file=cluster, framework=framework)
 
@@ -173,10 +173,7 @@ def search(
     memory_headroom: capacity_cmds.HeadroomOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
-    from autotune import api
-    from autotune.files import check_writable_folder
-    from autotune.report import save_report, search_report
-    from autotune.sensitivity import add_sensitivity
+    from autotune.files import check_writable_folder     # JAX and Optuna only once the input is checked
 
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
                            moe_token_dispatcher_type)
@@ -197,7 +194,7 @@ def search(
                                 count_legal=lambda: optuna_cmds.legal_count(problem or _problem(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
                                     intra_node_bw, inter_node_bw, cluster, fw)))
-    if choice.strategy == "optuna" or isinstance(gpu_count, optuna_cmds.GpuRange):
+    if choice.strategy == "optuna" or optuna_cmds.is_gpu_range(gpu_count):
         verify_cmds.refuse_with_optuna(verify_top)
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
@@ -207,8 +204,11 @@ def search(
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
             requested=strategy, with_sensitivity=with_sensitivity, framework=fw, export_to=export_to,
             headroom=room)
+    from autotune import api
     from autotune.advice import no_legal_plan_advice, nothing_fits_advice
+    from autotune.report import save_report, search_report
     from autotune.search import NoLegalPlan, NothingFits
+    from autotune.sensitivity import add_sensitivity
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
         with spinner("Scoring every legal plan...", enabled=not as_json):
@@ -295,15 +295,16 @@ def predict(
     moe_token_dispatcher_type: DispatcherOpt = None,
 ) -> int:
     """Score one plan and print its time and memory breakdown."""
-    from autotune import api
-    from autotune.report import plan_text, problem_dict
+    from autotune.problem import plan_from_text
 
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     problem = _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
                        inter_node_bw, cluster, framework_options(framework, attention_backend, tp_comm_overlap,
                                                                  grad_reduce_in_bf16, fp8_param_gather,
                                                                  moe_token_dispatcher_type))
-    the_plan = api.plan_from_text(plan, problem)
+    the_plan = plan_from_text(plan, problem)
+    from autotune import api                          # JAX: only once the problem and the plan are checked
+    from autotune.report import plan_text, problem_dict
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     rep = api.predict_plan(problem, the_plan, memory_limit_gb=memory_limit_gb, params=params)
     at_limit = capacity_cmds.flag_at_limit(rep)

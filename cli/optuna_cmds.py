@@ -10,11 +10,10 @@ prints what was found and exits 130. A storage URL's password is never printed.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import sys
-from typing import Annotated, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -22,20 +21,37 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from autotune import api
-from autotune import optuna_search as osr
-from autotune.headroom import annotate
-from autotune.report import extras_text, report_basename, save_report, search_report, uses_extras
-from autotune.search import NothingFits
-from autotune.sensitivity import add_sensitivity
-from autotune.storage import redact_url
-from autotune.studies import export_study, list_studies, show_study
+from cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOTHING_FITS, EXIT_OK
+from cli.common import error_line as _error_line, print_json as _print_json, stdout_console as _console
 from cli.export_cmds import export_exit, finish_report, print_plan_lines
 from cli.options import JsonOpt
 from costmodels.specs import SpecError
-from search_spaces.optuna_space import GpuRange, parse_gpus
 
-EXIT_OK, EXIT_NOTHING_FITS, EXIT_INTERRUPTED = 0, 3, 130
+if TYPE_CHECKING:       # imported inside the functions: they import Optuna, numpy and JAX (slow to start)
+    from autotune import optuna_search as osr
+    from search_spaces.optuna_space import GpuRange
+
+#: spelled here so that building the CLI imports neither Optuna nor JAX; tests/test_fuzz_cli.py checks
+#: it equals autotune.ask_tell.STALE_AFTER_S (the default of `worker --stale-after`)
+STALE_AFTER_S = 600.0
+
+
+def _osr():
+    from autotune import optuna_search
+    return optuna_search
+
+
+def is_gpu_range(value) -> bool:
+    """True for a `--gpus` range (a GpuRange); never imports Optuna (no range exists before its module is loaded)."""
+    mod = sys.modules.get("search_spaces.optuna_space")
+    return mod is not None and isinstance(value, mod.GpuRange)
+
+
+def __getattr__(name: str):
+    if name == "GpuRange":              # `optuna_cmds.GpuRange`, loaded on first use
+        from search_spaces.optuna_space import GpuRange
+        return GpuRange
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: search options that only Optuna uses; giving one makes `--strategy auto` pick Optuna
 #: (--objective is not one: an exhaustive range search takes one or two objectives)
@@ -49,23 +65,6 @@ TrialsOpt = Annotated[Optional[int], typer.Option("--trials", help="Trials to ru
 TimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Stop after this many seconds.")]
 BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", help="Trials asked and scored together.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampler seed (same seed, same trials).")]
-
-
-def _print_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
-    sys.stdout.flush()
-
-
-def _console() -> Console:
-    con = Console(highlight=False)
-    if not con.is_terminal:
-        con = Console(highlight=False, width=max(con.width, 200))
-    return con
-
-
-def _error_line(message: str) -> None:
-    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
-    sys.stderr.flush()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -87,6 +86,7 @@ def parse_search_gpus(text: Optional[str]) -> int | GpuRange | None:
     if not re.fullmatch(r"\d{1,9}\s*-\s*\d{1,9}(\s*:\s*\w{1,9})?", s):     # a range, or refused here
         raise SpecError("--gpus", f"expected a GPU count (512) or a range (256-2048, 256-2048:64, "
                         f"256-2048:pow2), got {s[:20]!r}")
+    from search_spaces.optuna_space import parse_gpus
     parsed = parse_gpus(s, "--gpus")
     check_size("gpus", getattr(parsed, "high", parsed))
     return parsed
@@ -108,10 +108,11 @@ def choose(strategy: str, *, gpus, objectives, optuna_options: list[str],
     req = str(strategy).strip().lower()
     if req == "exhaustive" and optuna_options:
         raise SpecError(optuna_options[0], "applies to --strategy optuna or auto, not exhaustive")
+    osr = _osr()
     if req == "auto" and optuna_options:
         osr.choose_strategy("optuna", gpus=gpus, objectives=objectives)      # checks the arguments
         return osr.StrategyChoice("optuna", f"Optuna options given ({', '.join(optuna_options)})")
-    if isinstance(gpus, GpuRange):
+    if is_gpu_range(gpus):
         chosen = osr.choose_strategy(req, gpus=gpus, objectives=objectives, count_legal=lambda: 0)
         return chosen if req != "auto" or chosen.strategy == "optuna" else osr.StrategyChoice("auto", RANGE_PENDING)
     return osr.choose_strategy(req, gpus=gpus, objectives=objectives, count_legal=count_legal)
@@ -151,6 +152,7 @@ class _ProgressBar:
 
 
 def _plans_table(reports: list, title: str = "Best plans found") -> Table:
+    from autotune.report import extras_text, uses_extras
     table = Table(title=title, title_justify="left")
     extras = uses_extras(reports)
     for col in ("#", "trial", "GPUs", "TP", "PP", "DP", "CP", "EP", "VPP", "MBS", "recompute", "SP", "ZeRO",
@@ -167,6 +169,7 @@ def _plans_table(reports: list, title: str = "Best plans found") -> Table:
 
 
 def _pareto_table(front: list, objectives: list) -> Table:
+    from autotune.report import extras_text
     table = Table(title="Pareto front (feasible trials no other trial beats on every objective)",
                   title_justify="left")
     for col in ["#", "trial"] + [f"{o['name']} ({o['direction'][:3]})" for o in objectives] + ["plan"]:
@@ -186,6 +189,7 @@ def _fmt(v: float) -> str:
 
 
 def _markdown_section(report: dict) -> str:
+    from autotune.report import report_basename
     o = report.get("optuna") or report["range"]
     objectives = ", ".join(f"{x['name']} ({x['direction']})" for x in o["objectives"])
     if "optuna" in report:
@@ -216,8 +220,16 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       choice: osr.StrategyChoice | None = None, requested: str = "optuna",
                       with_sensitivity: bool = True, framework: Optional[dict] = None,
                       export_to: str | None = None, headroom=None) -> int:
-    """`search` with Optuna: run (or resume) the study, print and save the report. An exit code."""
-    if isinstance(gpus, GpuRange) or gpus is None:
+    """`search` with Optuna: run (or resume) the study, print and save the report. An exit code.
+    A report that cannot be saved (the folder went away, the disk is full) is still printed; then one
+    `error:` line and exit code 2, as the exhaustive path does."""
+    from autotune import api
+    from autotune.headroom import annotate
+    from autotune.report import save_report, search_report
+    from autotune.search import NothingFits
+    from autotune.sensitivity import add_sensitivity
+    osr = _osr()
+    if is_gpu_range(gpus) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
     else:
         gpus_text = str(int(gpus))
@@ -258,28 +270,32 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
     finish_report(report, result.problem, export_to)
-    saved = None
+    saved, save_error = None, None
     if not no_save:
         try:
             report.setdefault("sections", []).insert(0, {"title": "Optuna" if "optuna" in report else "GPU range",
                                                          "markdown": _markdown_section(report)})
             saved = save_report(report, out, study=getattr(result, "study", None))
-        except OSError as exc:
-            raise SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}") from None
+        except SpecError as exc:                   # the folder went away mid-search: print anyway
+            save_error = str(exc)
+        except OSError as exc:                     # a plot written with plotly's own open()
+            save_error = str(SpecError("out", f"cannot write the report to {out}: {exc.strerror or exc}"))
     info = report.get("optuna") or {}
     code = EXIT_INTERRUPTED if info.get("interrupted") else EXIT_OK
     if as_json:
         _print_json(report)
-        if code == EXIT_INTERRUPTED:
-            _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
-        return code or export_exit(report)
-    _print_human(report, choice, saved, out)
-    if code == EXIT_INTERRUPTED:
+    else:
+        _print_human(report, choice, saved, out, save_error)
+    if code == EXIT_INTERRUPTED:                   # the trials are kept in the study either way
         _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
-    return code or export_exit(report)
+        return code
+    if save_error:
+        _error_line(save_error)
+        return EXIT_BAD_INPUT
+    return export_exit(report)
 
 
-def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str) -> None:
+def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str, save_error: str | None = None) -> None:
     con = _console()
     info = report.get("optuna") or report.get("range") or {}
     if "optuna" in report:
@@ -306,7 +322,7 @@ def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str) -> N
     if saved:
         con.print(Text(f"Report saved to {', '.join(saved)} (plots: Optuna's history, Pareto front, importances)"))
     else:
-        con.print(Text("Report not saved (--no-save)."))
+        con.print(Text("Report not saved." if save_error else "Report not saved (--no-save)."))
     print_plan_lines(con, report)
 
 
@@ -323,10 +339,11 @@ def worker(
     batch_size: BatchOpt = None,
     seed: SeedOpt = None,
     stale_after: Annotated[float, typer.Option("--stale-after", help="Fail RUNNING trials older than this "
-                                               "many seconds (left by a dead worker).")] = osr.STALE_AFTER_S,
+                                               "many seconds (left by a dead worker).")] = STALE_AFTER_S,
     as_json: JsonOpt = False,
 ) -> int:
     """Run trials of a shared study: its problem comes from the study; --trials is this worker's share."""
+    osr = _osr()
     if trials is None and timeout is None:
         raise SpecError("--trials", "give --trials N (this worker's share) or --timeout SECONDS")
     with _ProgressBar(trials, f"worker on {study}", enabled=not as_json) as bar:
@@ -364,6 +381,8 @@ def studies(
     as_json: JsonOpt = False,
 ) -> int:
     """List the studies of a storage, show one (--study), or export its trials (--export FILE)."""
+    from autotune.storage import redact_url
+    from autotune.studies import export_study, list_studies, show_study
     if export and not study:
         raise SpecError("--export", "needs --study NAME")
     if export:

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from autotune import __version__
 from autotune.datasets import dataset_path
 from cli.main import app
+from costmodels.specs import SpecError
 
 REPO = Path(__file__).resolve().parents[1]
 PUBLIC_RUNS = Path(dataset_path("public"))        # the bundled copy of shared/validation/public_runs.json
@@ -68,15 +69,13 @@ SURFACE = {
                                  "--sensitivity", "--no-sensitivity", "--export", "--verify-top", "--memory-headroom"},
     "predict": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
     "validate": {"file", "--dataset", "--json", "--all", "--calibration"},
-    "explain": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--plan", "--gpus-per-node",
-                "--intra-node-bw", "--inter-node-bw", "--cluster", "--memory-limit-gb", "--memory-limit", "--json",
-                "--calibration"},
+    "explain": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
     "calibrate": {"measurements", "--gpu", "--out", "-o", "--holdout-frac", "--seed", "--rounds", "--steps",
                   "--megatron-log", "--model", "--gpus", "--global-batch", "--seq-len", "--precision",
                   "--gpus-per-node", "--plan", "--json"},
     "whatif": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--inter-node-bw",
                "--intra-node-bw", "--gpus-per-node", "--cluster", "--memory-limit-gb", "--memory-limit", "--calibration",
-               "--json"},
+               "--json"} | FRAMEWORK_OPTIONS,
     "worker": {"--storage", "--study", "--trials", "--timeout", "--batch-size", "--seed", "--stale-after", "--json"},
     "studies": {"--storage", "--study", "--export", "--top", "--json"},
     "capacity": {"--model", "--tokens", "--gpu", "--deadline", "--price-per-gpu-hour", "--power-w", "--mtbf-hours",
@@ -105,6 +104,31 @@ def test_cli_surface_snapshot():
     group = get_command(app)
     surface = {"": _names(group)} | {name: _names(cmd) for name, cmd in group.commands.items()}
     assert surface == SURFACE
+
+
+
+def test_building_the_cli_imports_neither_jax_nor_optuna():
+    """`autotune --help` and bad-input errors start fast: cli.main and every command module import
+    JAX, Optuna and autotune.api inside the commands that score (tests/benchmarks/bench_startup.py)."""
+    probe = subprocess.run([sys.executable, "-c", "import cli.main, sys; print(sorted(m for m in ('jax', 'optuna', "
+                            "'autotune.api', 'autotune.optuna_search') if m in sys.modules))"],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["search", "--model", "nope", "--gpu", "h100", "--gpus", "8"],
+    ["search", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "0x8"],
+    ["predict", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--plan", "tp=3"],
+])
+def test_bad_input_is_refused_before_jax_is_imported(args):
+    probe = ("import sys\nfrom cli.main import app\ntry:\n    app(sys.argv[1:])\nfinally:\n"
+             "    sys.stderr.write('IMPORTED ' + ' '.join(m for m in ('jax', 'optuna') if m in sys.modules) + '\\n')\n")
+    proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, "AUTOTUNE_JAX_CACHE": ""})
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 2 and lines[0].startswith("error: "), proc.stderr
+    assert lines[1].strip() == "IMPORTED", proc.stderr
 
 
 def test_version():
@@ -193,6 +217,20 @@ def test_search_unwritable_out(tmp_path):
     result = run("search", *SMALL, "--json", "--out", blocker)
     assert_one_line_error(result, 2, "out", "cannot write")
     assert result.stdout == ""
+
+def test_search_report_not_saved_still_prints_then_one_error_line(tmp_path, monkeypatch):
+    """The exhaustive path's contract (the Optuna path's twin is in tests/test_optuna.py): the folder
+    went away after the up-front check, the result is printed anyway, then one error line, exit 2."""
+    import autotune.report as report_mod
+
+    def refuse(report, out_dir):
+        raise SpecError("out", f"cannot write into {out_dir}: No such file or directory")
+
+    monkeypatch.setattr(report_mod, "save_report", refuse)
+    result = run("search", *SMALL, "--strategy", "exhaustive", "--no-sensitivity", "--json", "--out", tmp_path)
+    assert_one_line_error(result, 2, "out", "cannot write")
+    assert json.loads(result.stdout)["best"]["fits"]
+
 
 def test_search_nothing_fits_json(tmp_path):
     result = run("search", *SMALL, "--memory-limit-gb", "1", "--json", "--out", tmp_path)
@@ -494,3 +532,33 @@ def test_memory_limit_rejects_bad_sizes(text):
                               "tp=1,pp=1,mbs=1,recompute=full,zero=1", "--memory-limit", text])
     assert res.exit_code == 2
     assert "--memory-limit" in res.output and "Traceback" not in res.output
+
+
+# ---------------------------------------------------------------------------------------------
+# explain / whatif take the Megatron-Core options of predict and search
+# ---------------------------------------------------------------------------------------------
+
+def test_explain_grad_reduce_in_bf16_halves_the_gradient_memory():
+    """No ZeRO: every GPU holds its shard's whole gradient buffer, 4 bytes a parameter in fp32
+    (Megatron-LM's default), 2 in bf16 (--grad-reduce-in-bf16); only that term changes."""
+    plan = ["--plan", "tp=8,pp=1,mbs=1,zero=0"]
+    mem = {}
+    for flag in ("", "--grad-reduce-in-bf16", "--grad-reduce-in-fp32"):
+        result = run("explain", *SMALL, *plan, "--json", *([flag] if flag else []))
+        assert result.exit_code == 0, (result.stderr, result.exception)
+        data = json.loads(result.stdout)
+        assert data["plan"]["zero"] == 0 and set(data["memory_gb"]) == MEMORY_KEYS
+        mem[flag] = data["memory_gb"]
+    assert mem["--grad-reduce-in-fp32"] == mem[""]                       # fp32 is the default
+    assert mem["--grad-reduce-in-bf16"]["gradients"] == pytest.approx(mem[""]["gradients"] / 2, rel=1e-9)
+    for term in ("weights", "optimizer", "activations"):
+        assert mem["--grad-reduce-in-bf16"][term] == mem[""][term]
+    assert mem["--grad-reduce-in-bf16"]["total"] < mem[""]["total"]
+
+
+@pytest.mark.parametrize("command", ["explain", "whatif"])
+def test_explain_and_whatif_check_the_framework_options(command):
+    result = run(command, *SMALL, "--framework", "nope")
+    assert_one_line_error(result, 2, "framework", "megatron")
+    result = run(command, *SMALL, "--attention-backend", "nope")
+    assert_one_line_error(result, 2, "attention")

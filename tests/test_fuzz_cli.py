@@ -349,8 +349,8 @@ def test_unwritable_compile_cache_is_disabled_quietly(monkeypatch):
 
 
 def test_internal_errors_are_one_line_with_a_bug_hint(monkeypatch):
-    import autotune.api
-    monkeypatch.setattr(autotune.api, "plan_from_text", lambda *a: {}["boom"])
+    import autotune.problem                       # predict parses --plan with it before importing autotune.api
+    monkeypatch.setattr(autotune.problem, "plan_from_text", lambda *a: {}["boom"])
     result = run("predict", *SMALL, "--plan", "tp=1")
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     assert len(result.stderr.splitlines()) == 1 and "bug" in result.stderr and "KeyError" in result.stderr
@@ -422,3 +422,12 @@ def test_cli_constants_spelled_for_start_up_match_their_modules():
     assert export_cmds.TARGETS == autotune.export.TARGETS
     assert export_cmds.LAUNCHERS == autotune.launch.LAUNCHERS
     assert export_cmds.DEFAULT_MAX_MEMORY_FRAC == autotune.check.DEFAULT_MAX_MEMORY_FRAC
+    import autotune.ask_tell
+    from cli import optuna_cmds
+    from search_spaces.optuna_space import GpuRange
+    assert optuna_cmds.STALE_AFTER_S == autotune.ask_tell.STALE_AFTER_S
+    assert optuna_cmds.GpuRange is GpuRange and optuna_cmds.is_gpu_range(optuna_cmds.parse_search_gpus("8-32"))
+    assert not optuna_cmds.is_gpu_range(optuna_cmds.parse_search_gpus("8"))
+    probe = subprocess.run([sys.executable, "-c", "import sys, cli.main; print(sorted(m for m in ('jax', 'optuna', 'numpy') "
+                            "if m in sys.modules))"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr     # building the CLI imports none of them

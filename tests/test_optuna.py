@@ -384,6 +384,67 @@ def test_cli_search_optuna_json(tmp_path):
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".html", ".json", ".md"]
 
 
+
+def _no_constants(token):
+    raise ValueError(f"non-standard JSON token {token}")
+
+
+def test_cli_search_optuna_json_is_strict(tmp_path, monkeypatch):
+    """--json on the Optuna path goes through cli.common's printer: a non-finite number is null,
+    never a NaN / Infinity token (RFC 8259)."""
+    import autotune.report as report_mod
+    original = report_mod.search_report
+
+    def with_non_finite(*args, **kwargs):
+        rep = original(*args, **kwargs)
+        rep["probe"] = {"nan": float("nan"), "inf": float("inf"), "ninf": float("-inf"),
+                        "np": np.float64("nan")}
+        return rep
+
+    monkeypatch.setattr(report_mod, "search_report", with_non_finite)
+    r = run_cli("search", *SMALL_CLI, "--strategy", "optuna", "--trials", "5", "--json", "--no-save")
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    rep = json.loads(r.stdout, parse_constant=_no_constants)
+    assert rep["strategy"] == "optuna" and rep["optuna"]["n_trials"] == 5
+    assert rep["probe"] == {"nan": None, "inf": None, "ninf": None, "np": None}
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_cli_optuna_report_not_saved_still_prints_then_one_error_line(tmp_path, monkeypatch, as_json):
+    """The folder went away (or filled up) after the up-front check: the result is printed anyway,
+    then one `error:` line and exit 2, as on the exhaustive path."""
+    import autotune.report as report_mod
+
+    def refuse(report, out_dir):
+        raise SpecError("out", f"cannot write into {out_dir}: No space left on device")
+
+    monkeypatch.setattr(report_mod, "save_report", refuse)
+    r = run_cli("search", *SMALL_CLI, "--strategy", "optuna", "--trials", "5", "--seed", "0", "--out", tmp_path,
+                *(["--json"] if as_json else []))
+    one_error_line(r, 2, "out", "cannot write", "No space left")
+    if as_json:
+        rep = json.loads(r.stdout, parse_constant=_no_constants)
+        assert rep["strategy"] == "optuna" and rep["best"]["fits"]
+    else:
+        assert "Best plans found" in r.stdout and "Report not saved." in r.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_optuna_plot_write_failure_is_one_line(tmp_path, monkeypatch):
+    """An OSError while writing the Pareto plot: the report is printed, one `error:` line, exit 2."""
+    import autotune.plots as plots_mod
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots_mod, "save_pareto_html", refuse)
+    r = run_cli("search", *SMALL_CLI, "--strategy", "optuna", "--objective", "tokens_per_s", "--objective", "gpus",
+                "--trials", "8", "--seed", "0", "--json", "--out", tmp_path)
+    one_error_line(r, 2, "out", "No space left")
+    rep = json.loads(r.stdout, parse_constant=_no_constants)
+    assert rep["optuna"]["pareto_front"] and "pareto_plot" not in rep["optuna"]
+
+
 def test_cli_search_auto_says_which(tmp_path):
     r = run_cli("search", *SMALL_CLI, "--json", "--no-save")
     assert r.exit_code == 0, r.stderr
