@@ -223,7 +223,9 @@ def _num(x) -> float | None:
 
 def plan_gpu_type(req: CapacityRequest, gpu: str) -> dict:
     """Every GPU count of the grid for one GPU type: the best plan, the training figures; and the pick."""
-    from . import api
+    from .measurements import load_params
+    from .problem import build_problem
+    from .search import exhaustive
     from .headroom import headroom_for
     from .scoring import Inputs
     from .search import NoLegalPlan, NothingFits
@@ -232,17 +234,17 @@ def plan_gpu_type(req: CapacityRequest, gpu: str) -> dict:
     # whole nodes; a rack-scale NVLink domain (NVL72) is shared by jobs in steps of RACK_SCALE_DOMAIN GPUs
     per_node = load_gpu(gpu).gpus_per_node
     step = per_node if per_node <= RACK_SCALE_DOMAIN else RACK_SCALE_DOMAIN
-    probe = api.build_problem(model=req.model, gpu=gpu, gpus=per_node, global_batch=req.global_batch,
+    probe = build_problem(model=req.model, gpu=gpu, gpus=per_node, global_batch=req.global_batch,
                               seq_len=req.seq_len, precision=req.precision)
-    params, _ = api.load_params(req.calibration, probe.cluster.gpu.name)
+    params, _ = load_params(req.calibration, probe.cluster.gpu.name)
     counts = gpu_count_grid(step, req.min_gpus, req.max_gpus)
     rows, skipped = [], {"no legal plan": [], "nothing fits": []}
     for n in counts:
-        problem = api.build_problem(model=req.model, gpu=gpu, gpus=n, global_batch=req.global_batch,
+        problem = build_problem(model=req.model, gpu=gpu, gpus=n, global_batch=req.global_batch,
                                     seq_len=req.seq_len, precision=req.precision)
         room = headroom_for(Inputs(problem).memory_limit_bytes / 1e9, req.memory_headroom_frac)
         try:
-            res = api.search(problem, top_k=1, memory_limit_gb=room.limit_gb, params=params)
+            res = exhaustive(problem, params, top_k=1, memory_limit_gb=room.limit_gb)
         except NoLegalPlan:
             skipped["no legal plan"].append(n)
             continue

@@ -40,24 +40,25 @@ def inputs_hash(case: dict) -> str:
 
 
 def _problem(case: dict, gpus: int | None = None, gpu: str | None = None):
-    from . import api
-    return api.build_problem(model=case["model"], gpu=gpu or case["gpu"], gpus=gpus or case["gpus"],
+    from .problem import build_problem
+    return build_problem(model=case["model"], gpu=gpu or case["gpu"], gpus=gpus or case["gpus"],
                              global_batch=case.get("global_batch"), seq_len=case.get("seq_len"))
 
 
 def _run_search(name: str, case: dict, out: str) -> dict:
-    from . import api
     from .headroom import annotate, headroom_for
+    from .measurements import load_params
+    from .search import exhaustive
     from .report import save_report, search_report
     from .sensitivity import add_sensitivity
     from .scoring import Inputs
 
     problem = _problem(case)
     room = headroom_for(Inputs(problem).memory_limit_bytes / 1e9)
-    result = api.search(problem, top_k=TOP_K, memory_limit_gb=room.limit_gb)
+    result = exhaustive(problem, None, top_k=TOP_K, memory_limit_gb=room.limit_gb)
     report = search_report(result)
     annotate(report, room)
-    add_sensitivity(report, problem, api.load_params(None)[0], room.limit_gb)
+    add_sensitivity(report, problem, load_params(None)[0], room.limit_gb)
     report["created"] = "reference"                 # stable file names and contents between regenerations
     paths = _rename(save_report(report, out, plotlyjs="directory"), out, name)
     return {"kind": "search", "inputs": case, "inputs_hash": inputs_hash(case), "files": paths,

@@ -209,7 +209,7 @@ def _ties_lines(report: dict) -> list:
     return out
 
 
-def save_report(report: dict, out_dir: str, *, study=None, plotlyjs: str = "inline") -> tuple[str, str, str]:
+def save_report(report: dict, out_dir: str, *, study=None, plotlyjs: str = "inline") -> tuple[str, ...]:
     """Write the report as strict JSON (the source of truth), its Markdown rendering and the HTML page
     with plots (plotly; with an Optuna `study`, Optuna's own study plots too), under a name no other
     report holds (concurrent searches into one folder keep every report), each atomically."""
@@ -219,6 +219,8 @@ def save_report(report: dict, out_dir: str, *, study=None, plotlyjs: str = "inli
     json_path = write_text_atomic(base + ".json", dumps_json(report) + "\n", "out", exclusive=True)
     stem = json_path[:-len(".json")]
     md_path = write_text_atomic(stem + ".md", render_markdown(report), "out")
+    if not report.get("top"):                     # nothing to plot (an empty report)
+        return json_path, md_path
     if plotlyjs == "directory":
         write_plotlyjs(out_dir)
     html_path = write_text_atomic(stem + ".html", search_page(report, study=study, plotlyjs=plotlyjs), "out")

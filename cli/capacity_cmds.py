@@ -16,13 +16,18 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from autotune import capacity as cap
 from autotune.headroom import DEFAULT_MEMORY_HEADROOM_FRAC, parse_fraction
-from autotune.report import plan_text
 from costmodels.specs import SpecError
 from cli.options import CalibrationOpt, GlobalBatchOpt, JsonOpt, ModelOpt, PrecisionOpt, SeqLenOpt
 
 EXIT_OK, EXIT_NOTHING_FITS = 0, 3
+
+# Spelled here so that building the CLI imports neither numpy nor JAX (autotune.capacity needs numpy);
+# tests/test_capacity.py checks they equal autotune.capacity's.
+DEFAULT_GPU_MTBF_HOURS = 54 * 24 * 16384 / 419      # Llama 3: 419 interruptions in 54 days on 16,384 GPUs
+DEFAULT_CHECKPOINT_S = 60.0
+DEFAULT_RESTART_S = 600.0
+DEFAULT_MAX_GPUS = 32768
 
 HeadroomOpt = Annotated[Optional[str], typer.Option(
     "--memory-headroom", help="Share of each GPU's memory kept free (default 5%).")]
@@ -42,14 +47,14 @@ def capacity(
     power: Annotated[Optional[str], typer.Option("--power-w", help="W per GPU (default: datasheet TDP): h100=700.")] = None,
     mtbf_hours: Annotated[float, typer.Option("--mtbf-hours", help="Per-GPU hours between job-stopping failures "
                                               "(default: Llama 3's 419 interruptions in 54 days on 16,384 GPUs).")]
-    = cap.DEFAULT_GPU_MTBF_HOURS,
+    = DEFAULT_GPU_MTBF_HOURS,
     checkpoint_s: Annotated[float, typer.Option("--checkpoint-s", help="Seconds to write a checkpoint.")]
-    = cap.DEFAULT_CHECKPOINT_S,
+    = DEFAULT_CHECKPOINT_S,
     restart_s: Annotated[float, typer.Option("--restart-s", help="Seconds lost to a restart after a failure.")]
-    = cap.DEFAULT_RESTART_S,
+    = DEFAULT_RESTART_S,
     objective: Annotated[str, typer.Option("--objective", help="cost (default) or energy.")] = "cost",
     min_gpus: Annotated[int, typer.Option("--min-gpus", help="Smallest GPU count tried.")] = 1,
-    max_gpus: Annotated[int, typer.Option("--max-gpus", help="Largest GPU count tried.")] = cap.DEFAULT_MAX_GPUS,
+    max_gpus: Annotated[int, typer.Option("--max-gpus", help="Largest GPU count tried.")] = DEFAULT_MAX_GPUS,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
     precision: PrecisionOpt = "bf16",
@@ -59,6 +64,7 @@ def capacity(
     as_json: JsonOpt = False,
 ) -> int:
     """GPUs, days, cost and energy to train N tokens: per GPU type the count that meets the deadline at least cost."""
+    from autotune import capacity as cap
     names = [g.strip().lower() for g in gpu]
     if plot and not os.access(os.path.dirname(os.path.abspath(plot)) or ".", os.W_OK):
         raise SpecError("plot", f"cannot write {plot}: its folder is not writable")
@@ -102,6 +108,8 @@ def _money(x) -> str:
 
 
 def _print(report: dict) -> None:
+    from autotune import capacity as cap
+    from autotune.report import plan_text
     con = _console()
     table = Table(title="Capacity plan per GPU type", title_justify="left")
     for col in ("GPU", "GPUs", "days", "GPU-hours", "cost $", "kWh", "goodput", "ckpt every", "MFU", "plan"):

@@ -229,3 +229,11 @@ def test_larger_batch_advice_is_checked():
                                                   seq_len=4096, min_gpus=gpus, max_gpus=gpus))
     assert again["per_gpu"][0]["rows"][0]["wall_days"] == pytest.approx(days, abs=0.05)
     assert days < rep["per_gpu"][0]["fastest"]["wall_days"]
+
+
+def test_cli_defaults_spelled_for_start_up_match_the_module():
+    """cli/capacity_cmds.py spells the defaults so that building the CLI needs no numpy."""
+    from autotune import capacity as cap
+    from cli import capacity_cmds
+    for name in ("DEFAULT_GPU_MTBF_HOURS", "DEFAULT_CHECKPOINT_S", "DEFAULT_RESTART_S", "DEFAULT_MAX_GPUS"):
+        assert getattr(capacity_cmds, name) == pytest.approx(getattr(cap, name), rel=1e-12), name

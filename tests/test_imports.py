@@ -39,7 +39,7 @@ def test_layers_import_only_downward():
 #: the search, study, storage and report modules (issue 9 named cycles among them); the calibration
 #: modules have cycles of their own (validate <-> measurements <-> calibrate, validate <-> datasets)
 #: that are not checked here
-CHECKED = ("api", "optuna_search", "objectives", "samplers", "study_spec", "ask_tell", "storage", "trials", "plots",
+CHECKED = ("api", "optuna_search", "objectives", "samplers", "study_spec", "ask_tell", "storage", "trials",
            "studies", "report", "sensitivity", "search", "scoring", "problem")
 
 

@@ -415,7 +415,7 @@ def test_cli_optuna_report_not_saved_still_prints_then_one_error_line(tmp_path, 
     then one `error:` line and exit 2, as on the exhaustive path."""
     import autotune.report as report_mod
 
-    def refuse(report, out_dir):
+    def refuse(report, out_dir, **kwargs):
         raise SpecError("out", f"cannot write into {out_dir}: No space left on device")
 
     monkeypatch.setattr(report_mod, "save_report", refuse)
@@ -431,13 +431,14 @@ def test_cli_optuna_report_not_saved_still_prints_then_one_error_line(tmp_path, 
 
 
 def test_cli_optuna_plot_write_failure_is_one_line(tmp_path, monkeypatch):
-    """An OSError while writing the Pareto plot: the report is printed, one `error:` line, exit 2."""
-    import autotune.plots as plots_mod
+    """An OSError while drawing the report page (plotly, Optuna's plots): the report is printed, one
+    `error:` line, exit 2."""
+    import autotune.figures as figures_mod
 
     def refuse(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(plots_mod, "save_pareto_html", refuse)
+    monkeypatch.setattr(figures_mod, "search_page", refuse)
     r = run_cli("search", *SMALL_CLI, "--strategy", "optuna", "--objective", "tokens_per_s", "--objective", "gpus",
                 "--trials", "8", "--seed", "0", "--json", "--out", tmp_path)
     one_error_line(r, 2, "out", "No space left")
@@ -479,7 +480,7 @@ def test_cli_range_is_scored_exhaustively_when_small(tmp_path):
     which no scored plan dominates, and the best plan of each count on it."""
     r = run_cli("search", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8-32:pow2", "--global-batch", "16",
                 "--seq-len", "4096", "--objective", "tokens_per_s", "--objective", "gpus", "--json", "--no-save",
-                "--no-sensitivity")
+                "--no-sensitivity", "--memory-headroom", "0%")       # the brute force below uses the whole GPU
     assert r.exit_code == 0, (r.stderr, r.exception)
     rep = json.loads(r.stdout)
     assert rep["strategy"] == "exhaustive" and rep["strategy_choice"]["chosen"] == "exhaustive"

@@ -86,7 +86,8 @@ def _row(step, mem, device=80.0):
 
 
 def test_ties_and_recommendation():
-    assert tie_group([1.0, 1.09, 1.10, 1.2]) == [True, True, False, False]
+    f = STEP_TIME_TIE_FRAC
+    assert tie_group([1.0, 1.0 + 0.9 * f, 1.0 + 1.1 * f, 1.0 + 2 * f]) == [True, True, False, False]
     room = headroom_for(80.0, 0.05)
     assert room.limit_gb == pytest.approx(76.0)
     top = [_row(1.00, 75.9), _row(1.05, 60.0), _row(1.08, 70.0), _row(1.30, 20.0)]
