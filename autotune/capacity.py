@@ -377,7 +377,7 @@ def capacity_lines(report: dict) -> list[str]:
 
 
 def _plan_str(plan: dict) -> str:
-    from .report import plan_text
+    from .labels import plan_text
     return plan_text(plan)
 
 

@@ -13,7 +13,7 @@ import warnings
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from .report import TIME_LABELS, plan_text
+from .labels import TIME_LABELS, plan_text
 
 MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "other")
 PLOTLYJS_FILE = "plotly.min.js"

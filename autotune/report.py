@@ -10,25 +10,15 @@ from costmodels.specs import spec_dict
 from search_spaces.space import KNOBS, Problem
 
 from . import __version__
+from .labels import TIME_LABELS, plan_text  # noqa: F401 (re-exported: reports and the CLI use them)
 from .files import dumps_json, write_text_atomic
 
-TIME_LABELS = {
-    "compute": "compute", "recompute": "recomputation", "tp_comm": "exposed TP communication",
-    "cp_comm": "exposed CP (ring attention) exchange", "ep_comm": "exposed MoE all-to-all",
-    "pp_comm": "exposed pipeline p2p", "dp_comm": "exposed DP gradient sync",
-    "bubble": "pipeline bubble", "optimizer": "optimizer step", "overhead": "fixed per-step overhead",
-}
 
 
 def problem_dict(problem: Problem) -> dict:
     cl = spec_dict(problem.cluster)
     gpu = cl.pop("gpu")
     return {"model": spec_dict(problem.model), "gpu": gpu, "cluster": cl, "job": spec_dict(problem.job)}
-
-
-def plan_text(plan: dict) -> str:
-    """The --plan text of a plan (the Optuna-only knobs left out when 0, i.e. unused)."""
-    return format_plan(Plan.from_dict(plan))
 
 
 def extras_text(plan: dict) -> str:
