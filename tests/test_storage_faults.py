@@ -27,20 +27,12 @@ from autotune.optuna_search import StudySpec, optuna_search, run_worker
 from autotune.storage import open_storage, redact_url, repair_journal, scrub
 from cli.main import app
 
+from tests.test_optuna import one_error_line  # noqa: E402  (one helper for both files)
+
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(model="llama3-8b", gpu="h100", gpus="8", global_batch=16, seq_len=4096)
 runner = CliRunner()
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-
-
-def one_error_line(result, code: int, *needles: str) -> str:
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr, result.exception)
-    assert "Traceback" not in result.stdout + result.stderr
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 # ---------------------------------------------------------------------------------------------
