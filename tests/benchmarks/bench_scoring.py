@@ -137,16 +137,16 @@ def python_loop(problem, rows: dict, n_jit: int, n_eager: int) -> dict:
     t0 = time.perf_counter()
     for i in idx:
         out = cm.evaluate_jit(one(i), inp.model, inp.hw, inp.job, params)
-        step = float(out["step_time_s"][0])                                    # to the host, per plan
+        step = float(out.step_time_s[0])                                    # to the host, per plan
     jit_s = time.perf_counter() - t0
 
     eager_idx = idx[:max(1, n_eager)]
     out = cm.evaluate(one(eager_idx[0]), inp.model, inp.hw, inp.job, params)   # warm op caches
-    float(out["step_time_s"][0])
+    float(out.step_time_s[0])
     t0 = time.perf_counter()
     for i in eager_idx:
         out = cm.evaluate(one(i), inp.model, inp.hw, inp.job, params)
-        step = float(out["step_time_s"][0])
+        step = float(out.step_time_s[0])
     eager_s = time.perf_counter() - t0
     del step
     return {
