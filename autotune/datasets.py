@@ -3,7 +3,10 @@
 `public` is a copy of shared/validation/public_runs.json (published large-model runs, each row citing
 its source); `small-scale` of shared/validation/small_scale_runs.json (vTrain's Megatron-DeepSpeed
 measurements, MIT licence, copyright 2024 VIA Research Group at KAIST). Bundling them lets any clone
-reproduce the README's accuracy figures: `autotune validate --dataset public`.
+reproduce the README's accuracy figures: `autotune validate --dataset public`. `korthikanti22` holds
+the 8 end-to-end iteration times of Korthikanti et al. 2022 Table 5 (GPT 22B-1T on A100, full vs
+selective recompute + sequence parallelism); no fit ever sees them (calibration and the shipped
+defaults use `public` + `small-scale`), so they are an out-of-sample check.
 """
 from __future__ import annotations
 
@@ -13,7 +16,11 @@ from pathlib import Path
 from costmodels.specs import SpecError
 
 #: dataset name -> file under autotune/data/
-DATASETS = {"public": "public_runs.json", "small-scale": "small_scale_runs.json"}
+DATASETS = {"public": "public_runs.json", "small-scale": "small_scale_runs.json",
+            "korthikanti22": "korthikanti22_table5.json"}
+
+#: the datasets fits train on (fit_defaults, the cross-validation); the others are held out
+TRAINING_DATASETS = ("public", "small-scale")
 
 #: GPU generations for leave-one-generation-out evaluation (gpu_key -> generation)
 GPU_GENERATIONS = {
@@ -33,9 +40,9 @@ def data_dir() -> Path:
 
 
 def dataset_path(name: str) -> str:
-    """The bundled file of a dataset name (`public` or `small-scale`)."""
+    """The bundled file of a dataset name (`public`, `small-scale` or `korthikanti22`)."""
     if name not in DATASETS:
-        raise SpecError("dataset", f"unknown dataset {name!r}; choose {' or '.join(DATASETS)}")
+        raise SpecError("dataset", f"unknown dataset {name!r}; choose {', '.join(DATASETS)}")
     path = data_dir() / DATASETS[name]
     if not path.is_file():
         raise SpecError("dataset", f"the bundled file {path} is missing (a broken install?)")

@@ -131,6 +131,21 @@ def _fp8_param_recipe(row: dict) -> bool:
     return "mx" in prec or "delayed" in prec
 
 
+def zero_stage(row: dict) -> int | None:
+    """The ZeRO stage a run used. Megatron-Bridge's tables have an FSDP column whose 0 means
+    "Megatron DDP, not FSDP" (docs/performance-summary-archive.md); its recipes run that DDP with
+    the distributed optimizer (recipes/common.py: use_distributed_optimizer=True), which is
+    ZeRO-1 in this project's knob, not plain data parallelism."""
+    plan = row.get("plan") or {}
+    z = plan.get("zero_key")
+    if z is None:
+        return None
+    text = str(plan.get("distributed_optimizer_or_zero") or "")
+    if int(z) == 0 and "FSDP=0" in text.replace(" ", "") and is_nemo_recipe(row):
+        return 1
+    return int(z)
+
+
 _YEAR = re.compile(r"\b(20[0-4]\d)\b")
 
 
@@ -230,8 +245,9 @@ def case_from_row(row: dict) -> RowCase:
         fixed["sp"] = int(bool(plan["sequence_parallel"]) and fixed.get("tp", 1) > 1)
     else:
         filled.append("sp")
-    if plan.get("zero_key") is not None:
-        fixed["zero"] = int(plan["zero_key"])
+    zero = zero_stage(row)
+    if zero is not None:
+        fixed["zero"] = zero
     else:
         filled.append("zero")
     if not model.is_moe:
@@ -385,7 +401,7 @@ def validate_runs(file: str | None = None, *, dataset: str | None = None, params
     that GPU's runs only (the others are skipped, saying so); one for a GPU no run uses is refused."""
     from .datasets import dataset_path
     if (file is None) == (dataset is None):
-        raise SpecError("FILE", "give a runs file or --dataset public|small-scale (one of them)")
+        raise SpecError("FILE", "give a runs file or --dataset public|small-scale|korthikanti22 (one of them)")
     path = dataset_path(dataset) if dataset is not None else file
     rows = load_runs(path)
     bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)

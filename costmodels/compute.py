@@ -163,7 +163,7 @@ def attention_core_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     flops = 2.0 * T * (s / 2.0) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
     t_fused = flops / (H["peak_bf16"] * e.attn_eff_max * saturate(s / S.cp, e.attn_seq_half))
     scores = T * s * heads_local
-    t_unfused = (2.0 * flops / (H["peak_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
+    t_unfused = (2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
                  + scores * e.softmax_bytes_per_score / (H["hbm_bw"] * e.hbm_eff))
     return jnp.where(J["flash"] > 0, t_fused, t_unfused)
 

@@ -72,6 +72,7 @@ def encode_cluster(c: ClusterSpec) -> dict:
         wan_lat=c.wan_latency_s if c.num_sites > 1 else c.inter_node_latency_s,
         hbm_bytes=c.gpu.hbm_bytes, hbm_bw=c.gpu.hbm_bandwidth_bytes_per_s,
         peak_bf16=c.gpu.peak_flops_bf16,
+        matmul_frac_bf16=c.gpu.matmul_frac_bf16,   # MAMF / peak: unfused attention's batched GEMMs
     )
     return {k: np.float32(v) for k, v in vals.items()}
 
@@ -81,7 +82,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
     peak = c.gpu.peak_flops(prec)
     vals = dict(
         global_batch=j.global_batch, seq_len=j.seq_len,
-        peak_gemm=peak if peak > 0 else c.gpu.peak_flops_bf16,
+        # GEMMs run against the GPU's maximum achievable matmul rate (MAMF), not the datasheet peak
+        peak_gemm=(peak * c.gpu.matmul_frac(prec)) if peak > 0 else c.gpu.peak_flops_bf16 * c.gpu.matmul_frac_bf16,
         gemm_bytes=1.0 if prec is Precision.FP8 else (0.5 if prec is Precision.FP4 else 2.0),
         low_precision=float(prec in (Precision.FP8, Precision.FP4)),
         flash=float(j.flash_attention),

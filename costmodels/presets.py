@@ -69,6 +69,9 @@ def _gpu_from_entry(name: str, entry: dict) -> GPUSpec:
     si = {f: float(round(entry[key] * factor)) for f, (key, factor) in _GPU_FILE_FIELDS.items()}
     if entry.get("p2p_gbps"):                        # fully connected meshes: one link per peer
         si["intra_node_p2p_bw_bytes_per_s"] = float(round(entry["p2p_gbps"] * GIGA))
+    for prec in ("bf16", "fp8", "fp4"):                 # measured max-achievable matmul fractions
+        if entry.get(f"mamf_{prec}_frac") is not None:
+            si[f"matmul_frac_{prec}"] = float(entry[f"mamf_{prec}_frac"])
     return GPUSpec(name=name, family=entry["family"], gpus_per_node=entry["gpus_per_node"],
                    source=_one_line(entry["source"]), **si)
 

@@ -254,6 +254,12 @@ class GPUSpec:
     # one peer's share of the scale-up link (send/recv to one GPU): all of it behind a switch
     # (NVSwitch), one link of a fully connected mesh (MI300X xGMI); 0 = the whole intra-node bandwidth
     intra_node_p2p_bw_bytes_per_s: float = 0.0
+    # Maximum achievable matmul FLOP/s as a fraction of the dense peak (MAMF: the best large GEMM a
+    # vendor BLAS reaches; ml-engineering's MAMF table, AMD's "max-achievable FLOPs"); the cost
+    # model's GEMM efficiency is relative to it. Unmeasured parts: H100's 0.80.
+    matmul_frac_bf16: float = 0.80
+    matmul_frac_fp8: float = 0.80
+    matmul_frac_fp4: float = 0.80
     family: str = ""                     # calibration family, e.g. "ampere", "hopper"
     source: str = ""
 
@@ -264,6 +270,18 @@ class GPUSpec:
             if not isinstance(v, (int, float)) or v <= 0:
                 raise SpecError(f, f"must be a positive number, got {v!r}")
         _positive("gpus_per_node", self.gpus_per_node)
+        for f in ("matmul_frac_bf16", "matmul_frac_fp8", "matmul_frac_fp4"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not 0.1 <= v <= 1.0:
+                raise SpecError(f, f"must be a fraction of the peak in [0.1, 1], got {v!r}")
+
+    def matmul_frac(self, precision: Precision) -> float:
+        """MAMF / dense peak for GEMMs in this precision."""
+        if precision is Precision.FP8:
+            return self.matmul_frac_fp8
+        if precision is Precision.FP4:
+            return self.matmul_frac_fp4
+        return self.matmul_frac_bf16
 
     @property
     def p2p_bw_bytes_per_s(self) -> float:

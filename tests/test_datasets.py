@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.datasets import DATASETS, dataset_path, load_dataset
+from autotune.datasets import DATASETS, TRAINING_DATASETS, dataset_path, load_dataset
 from costmodels.specs import SpecError
 
 #: ../shared/validation next to the repository (a git worktree elsewhere can point here with
@@ -16,7 +16,7 @@ SHARED = Path(os.environ.get("AUTOTUNE_SHARED_VALIDATION")
               or Path(__file__).resolve().parents[2] / "shared" / "validation")
 
 
-@pytest.mark.parametrize("name", sorted(DATASETS))
+@pytest.mark.parametrize("name", sorted(TRAINING_DATASETS))
 def test_bundled_copy_equals_shared_validation(name):
     shared = SHARED / DATASETS[name]
     if not shared.exists():
@@ -43,6 +43,22 @@ def test_bundled_provenance_and_licence_ship_with_the_data():
 
 
 def test_unknown_dataset_is_a_one_line_error():
-    with pytest.raises(SpecError, match="dataset.*public or small-scale"):
+    with pytest.raises(SpecError, match="dataset.*public, small-scale"):
         dataset_path("private")
     json.dumps(DATASETS)   # the names are plain strings (they appear in --json output)
+
+
+def test_korthikanti_table5_holds_the_paper_times_and_is_held_out():
+    # Korthikanti et al. 2022 (arXiv:2205.05198) Table 5: iteration time (s), full recompute vs
+    # selective recompute + sequence parallelism; Table 3: TP 8, PP 1/8/35/64 on 8/64/280/512 A100s
+    paper = {"22B": (1.42, 1.10, 8), "175B": (18.13, 13.75, 64), "530B": (49.05, 37.83, 280),
+             "1T": (94.42, 71.49, 512)}
+    rows = {r["id"]: r for r in load_dataset("korthikanti22")}
+    assert len(rows) == 8
+    for name, (full, seqsel, gpus) in paper.items():
+        for mode, t in (("full", full), ("seqsel", seqsel)):
+            r = rows[f"korthikanti22-t5-{name}-{mode}"]
+            assert r["measured"]["iteration_time_s"] == t and r["hardware"]["num_gpus"] == gpus
+            assert r["plan"]["tp"] == 8 and r["plan"]["global_batch"] * 2048 / (t * gpus) == \
+                pytest.approx(r["measured"]["tokens_per_s_per_gpu"], rel=1e-4)
+    assert "korthikanti22" not in TRAINING_DATASETS

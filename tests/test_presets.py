@@ -525,3 +525,39 @@ def test_cluster_files_read_old_gbps_names_as_gb_per_s(tmp_path):
     both.write_text("gpu: h100\ngpus: 16\ninter_node_bandwidth_gbps: 25\ninter_node_bandwidth_gb_per_s: 25\n")
     with pytest.raises(SpecError, match="inter_node_bandwidth_gbps"):
         build_cluster(cluster_file=str(both))
+
+
+# Maximum achievable matmul TFLOP/s / dense peak, as measured with mamf-finder.py and published in
+# ml-engineering's "Maximum Achievable Matmul FLOPS comparison table" (bf16 A100 SXM 267.9 of 312,
+# H100 SXM 794.5 of 989, B200 1745 of 2250, MI300X 781.9 of 1300; fp8 H200 1453.4 of 1979, B200
+# 3432.5 of 4500)
+@pytest.mark.parametrize("name, prec, mamf_tflops, peak_tflops", [
+    ("a100-80gb", Precision.BF16, 267.9, 312), ("h100", Precision.BF16, 794.5, 989),
+    ("b200", Precision.BF16, 1745.0, 2250), ("mi300x", Precision.BF16, 781.9, 1300),
+    ("h200", Precision.FP8, 1453.4, 1979), ("b200", Precision.FP8, 3432.5, 4500)])
+def test_gpu_matmul_fraction_is_the_published_mamf(name, prec, mamf_tflops, peak_tflops):
+    assert GPU_PRESETS[name].matmul_frac(prec) == pytest.approx(mamf_tflops / peak_tflops, abs=1.5e-3)
+
+
+def test_a_higher_achievable_matmul_rate_is_never_slower():
+    import dataclasses
+
+    from autotune import api
+    problem = api.build_problem(model="llama3-8b", gpu="h100", gpus=16, global_batch=64, seq_len=4096)
+    plan = api.plan_from_text("tp=2,pp=2,mbs=1", problem)
+    times = []
+    for frac in (0.5, 0.7, 0.9, 1.0):
+        gpu = dataclasses.replace(problem.cluster.gpu, matmul_frac_bf16=frac)
+        p = dataclasses.replace(problem, cluster=dataclasses.replace(problem.cluster, gpu=gpu))
+        times.append(api.predict_plan(p, plan)["step_time_s"])
+    assert all(a > b for a, b in zip(times, times[1:]))
+
+
+def test_matmul_fraction_out_of_range_is_refused():
+    with pytest.raises(SpecError, match="matmul_frac_bf16"):
+        dataclasses_replace_gpu(matmul_frac_bf16=1.3)
+
+
+def dataclasses_replace_gpu(**kw):
+    import dataclasses
+    return dataclasses.replace(GPU_PRESETS["h100"], **kw)

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from autotune.calibrate import DEFAULT_FIT  # noqa: E402
 from autotune.crossval import (SUBSETS, Run, error_figures, leave_one_group_out,  # noqa: E402
                                load_runs_of, predict_rows)
+from autotune.datasets import DATASETS, TRAINING_DATASETS  # noqa: E402
 from autotune.scoring import enable_compile_cache  # noqa: E402
 from costmodels.params import LITERATURE_PRIOR, EfficiencyParams, params_to_dict  # noqa: E402
 
@@ -122,6 +123,17 @@ def run_benchmark(quick: bool = False, quiet: bool = False, schemes=SCHEMES, *, 
     timings["predict_s"] = time.perf_counter() - t0
     _log(f"predicted {len(defaults)} runs with the defaults and the prior in {timings['predict_s']:.0f} s", quiet)
     pooled = {"in_sample": defaults, "prior": prior}
+    # datasets no fit ever sees (autotune.datasets.TRAINING_DATASETS excludes them): the shipped
+    # defaults and the prior predict them out of sample
+    held_out = {}
+    for name in DATASETS:
+        if name in TRAINING_DATASETS:
+            continue
+        hruns = load_runs_of((name,))
+        hd, hp = predict_rows(hruns, EfficiencyParams()), predict_rows(hruns, LITERATURE_PRIOR)
+        held_out[name] = {"defaults": error_figures(v["error_pct"] for v in hd.values()),
+                          "prior": error_figures(v["error_pct"] for v in hp.values()),
+                          "runs": {k: round(v["error_pct"], 3) for k, v in hd.items()}}
     folds = {}
     for scheme, key in (("refit", lambda r: "all runs"), ("loso", lambda r: r.source),
                         ("logo", lambda r: r.generation)):
@@ -150,6 +162,7 @@ def run_benchmark(quick: bool = False, quiet: bool = False, schemes=SCHEMES, *, 
                    "fitted": list(DEFAULT_FIT), "n_runs": {s: sum(1 for r in runs if r.subset == s) for s in SUBSETS},
                    "defaults": params_to_dict(EfficiencyParams())},
         "elapsed_s": {k: round(v, 1) for k, v in timings.items()},
+        "held_out_datasets": held_out,
         "headline": {s: {scheme: _subset_figures(runs, preds)[s] for scheme, preds in pooled.items()}
                      for s in SUBSETS},
         "refit": folds.get("refit", []),
@@ -181,6 +194,9 @@ def print_tables(doc: dict) -> None:
     for s in SUBSETS:
         h = doc["headline"][s]
         print(f"| {s} | {h['in_sample']['n']} | " + " | ".join(_cell(h[x]) for x in schemes) + " |")
+    for name, h in doc.get("held_out_datasets", {}).items():
+        print(f"\nheld-out dataset {name} (no fit sees it: out of sample), {h['defaults']['n']} runs: shipped "
+              f"defaults {_cell(h['defaults'])} (bias {h['defaults']['bias_pct']:+.1f} %), prior {_cell(h['prior'])}")
     print("\nin-sample: the shipped defaults were fitted on these rows. in-sample refit: the same fit as LOSO/LOGO "
           "(from the prior) on every run, predicting its own training rows. LOSO / LOGO: each run predicted by a "
           "fit that never saw its source / GPU generation.")
