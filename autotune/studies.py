@@ -21,6 +21,8 @@ from .trials import best_trials, pareto_trials
 
 #: The study user attribute that holds the problem (see study_spec.StudySpec).
 STUDY_ATTR = "autotune"
+#: a verification study (real runs, autotune.verify_study) holds how it runs a plan under this key
+VERIFY_ATTR = "autotune_verify"
 _PROBLEM_KEYS = ("model", "gpu", "gpus", "global_batch", "seq_len", "precision", "gpus_per_node", "intra_node_bw",
                  "inter_node_bw", "cluster_file", "memory_limit_gb", "calibration", "fixed")
 _CSV_ATTRS = ("gpus", "step_time_s", "tokens_per_s", "memory_gb", "fits", "cost_gpu_h")

@@ -40,11 +40,10 @@ from .files import dumps_json, write_text_atomic
 from .samplers import make_sampler
 from .search import predict
 from .storage import is_storage_error, load_study, open_storage, redact_url, storage_error
-from .studies import STUDY_ATTR
+from .studies import STUDY_ATTR, VERIFY_ATTR
 from .study_spec import StudySpec, default_study_name
 from .verify import RUNNERS, plan_slug, verify_plan
 
-VERIFY_ATTR = "autotune_verify"
 OBJECTIVE = "step_time"
 #: the sampler proposing plans once the queue is empty (Optuna's TPE inside LegalSampler)
 SAMPLER = "tpe"

@@ -206,6 +206,9 @@ def test_worker_flags_and_studies_of_the_wrong_kind_are_one_line(tmp_path):
                                        "megatron"]), 2, "runner", "jax runner")
     one_line_error(runner.invoke(app, ["worker", "--storage", url, "--study", "ver", "--timeout", "5"]), 2, "--timeout")
     one_line_error(runner.invoke(app, ["worker", "--storage", url, "--study", "ver"]), 2, "--trials")
+    one_line_error(runner.invoke(app, ["search", "--model", TINY, "--gpu", "h100", "--gpus", "2", "--global-batch", "8",
+                                       "--seq-len", "32", "--strategy", "optuna", "--trials", "5", "--storage", url,
+                                       "--study", "ver", "--no-save"]), 2, "study", "is a verification study")
 
 
 def test_a_worker_in_another_process_measures_on_two_host_devices(tmp_path):
