@@ -97,6 +97,8 @@ def _show_study(url: str | None, name: str, top: int) -> dict:
         "trials": dict(sorted(Counter(t.state.name.lower() for t in trials).items())), "n_trials": len(trials),
         "best": [trial_row(t) for t in best_trials(study, objectives, top)],
     }
+    if VERIFY_ATTR in study.user_attrs:          # real runs: how they ran (autotune.verify_study)
+        out["verification"] = study.user_attrs[VERIFY_ATTR]
     if len(study.directions) > 1:
         out["pareto_front"] = [trial_row(t) for t in pareto_trials(study)]
     return out

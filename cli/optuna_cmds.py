@@ -455,6 +455,8 @@ def studies(
         return EXIT_OK
     if study:
         out = show_study(storage, study, top=top)
+        if out.get("verification"):
+            return _show_verification(storage, study, top, as_json)
         if as_json:
             _print_json(out)
             return EXIT_OK
@@ -485,6 +487,33 @@ def studies(
     for r in rows:
         table.add_row(r["name"], r["problem"], ", ".join(r["objectives"]), str(r["sampler"]),
                       ", ".join(f"{k} {v}" for k, v in r["trials"].items()), str(r["started"]))
+    con.print(table)
+    return EXIT_OK
+
+
+def _show_verification(storage: str, study: str, top: int, as_json: bool) -> int:
+    """`studies --study NAME` of a verification study: its plans ranked by measured step time."""
+    from autotune.verify import plan_slug
+    from autotune.verify_study import verification_summary
+    from costmodels.plan import Plan
+    summ = verification_summary(storage, study)
+    if as_json:
+        _print_json(summ)
+        return EXIT_OK
+    con = _console()
+    con.print(Text(f"Verification study {study} in {summ['storage']} ({summ['runner']} runner, {summ['steps']} steps "
+                   f"per run): {', '.join(f'{k.lower()} {v}' for k, v in summ['counts'].items() if v)} trials."))
+    table = Table(title="Plans by measured step time (the study's value)", title_justify="left")
+    for col in ("#", "trial", "plan", "queued as", "status", "value (s)", "measured s (run)", "predicted s", "worker"):
+        table.add_column(col, justify="right" if col in ("#", "trial") or " s" in col or "(s)" in col else "left")
+    rows = sorted(summ["plans"], key=lambda r: (r.get("measured_rank") or 1e9, r["trial"]))[:max(top, 1) * 4]
+    for r in rows:
+        plan = plan_slug(Plan.from_dict(r["plan"])) if "tp" in r["plan"] else "-"
+        table.add_row(str(r.get("measured_rank") or "-"), str(r["trial"]), plan, r.get("seeded") or "sampler",
+                      r["status"], "-" if r["value"] is None else f"{r['value']:.4f}",
+                      "-" if r["measured_run_step_time_s"] is None else f"{r['measured_run_step_time_s']:.4f}",
+                      "-" if r["predicted_step_time_s"] is None else f"{r['predicted_step_time_s']:.4f}",
+                      str(r.get("worker") or "-"))
     con.print(table)
     return EXIT_OK
 

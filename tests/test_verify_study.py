@@ -108,6 +108,10 @@ def test_two_workers_measure_distinct_plans_of_one_study(checkout, tmp_path, mon
     assert best.value == pytest.approx(best.user_attrs["measured_run_step_time_s"])     # a full run: measured
     summ = verification_summary(url, "v")
     assert summ["best"]["trial"] == best.number and summ["counts"]["PRUNED"] == len(by_status["predicted-oom"])
+    shown = runner.invoke(app, ["studies", "--storage", url, "--study", "v", "--json"])
+    assert shown.exit_code == 0, shown.stderr
+    ranked = [r for r in json.loads(shown.stdout)["plans"] if r.get("measured_rank")]
+    assert ranked and min(ranked, key=lambda r: r["measured_rank"])["trial"] == best.number
     files = sorted(f for f in os.listdir("measurements") if f.startswith("verify_v_") and f.endswith(".json"))
     records = [r for f in files for r in json.load(open(os.path.join("measurements", f)))]
     assert len(records) == 4 and all(r["run"]["runner"] == "megatron" for r in records)   # OOM runs recorded too
