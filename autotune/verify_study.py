@@ -341,7 +341,7 @@ def _run_trial(study, storage, trial, space, problem, params, memory_limit_gb, r
     st = res["comparison"]["step_time_s"]
     value = study_value(res, pred["step_time_s"])
     mm = res["comparison"]["memory_gb"]
-    entry.update(ran=True, status=res["status"], proxy=res["proxy"], measured_run_step_time_s=st["measured"],
+    entry.update(ran=res["status"] != "interrupted", status=res["status"], proxy=res["proxy"], measured_run_step_time_s=st["measured"],
                  predicted_run_step_time_s=st["predicted"], value=value, memory_gb_measured=mm["measured"],
                  memory_gb_predicted=mm["predicted"], record=res["record"],
                  record_id=(res["record"] or {}).get("id"), reason=res.get("error") or None)

@@ -21,6 +21,8 @@ from cli.options import (CalibrationOpt, GlobalBatchOpt, GpuOpt, GpusOpt, JsonOp
                          SeqLenOpt)
 
 EXIT_OK, EXIT_OOM, EXIT_INTERRUPTED = 0, 3, 130
+#: autotune.verify.RUNNERS, spelled here so that checking the flags imports no JAX (tests check they agree)
+RUNNERS = ("jax", "megatron")
 
 StepsOpt = Annotated[int, typer.Option("--steps", min=1, help="Timed optimizer steps (after --warmup).")]
 RunnerOpt = Annotated[str, typer.Option("--runner", help="jax (the built-in JAX transformer) or megatron (Megatron-LM: "
@@ -192,6 +194,8 @@ def check_verify_options(verify_top: Optional[int], runner: str, megatron_path: 
             if given:
                 raise SpecError(flag, "applies to --verify-top K")
         return
+    if runner not in RUNNERS:
+        raise SpecError("runner", f"unknown runner {runner!r}; this build has: {', '.join(RUNNERS)}")
     if is_gpu_range(gpus):
         raise SpecError("verify-top", "measures plans of one GPU count; give --gpus N, not a range")
     if dry_run and runner != "megatron":

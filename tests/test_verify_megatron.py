@@ -157,6 +157,13 @@ def test_search_verify_top_runs_megatron_and_reranks_by_measured_time(checkout):
     assert ver["optuna"]["n_complete"] == 3
 
 
+def test_search_refuses_an_unknown_runner_before_searching():
+    import autotune.verify
+    from cli import verify_cmds
+    assert verify_cmds.RUNNERS == autotune.verify.RUNNERS
+    one_line_error(runner.invoke(app, [*SEARCH, "--verify-top", "2", "--runner", "pytorch"]), 2, "runner", "pytorch")
+
+
 def test_verify_top_with_the_optuna_strategy():
     res = runner.invoke(app, [*SEARCH, "--strategy", "optuna", "--trials", "40", "--seed", "1", "--verify-top", "2",
                               "--runner", "megatron", "--megatron-path", "/opt/Megatron-LM", "--dry-run"])
