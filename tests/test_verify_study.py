@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import optuna
 import pytest
@@ -236,3 +238,38 @@ def test_a_worker_in_another_process_measures_on_two_host_devices(tmp_path):
     assert ran[1]["seeded"] is None and ran[1]["plan"] != ran[0]["plan"]
     trials = _trials(url, "p")
     assert sum(t.state == TrialState.COMPLETE for t in trials) == sum(e["status"] == "ok" for e in ran)
+
+
+def test_sigint_to_a_worker_process_keeps_the_finished_run(checkout, tmp_path):
+    """A real Ctrl-C (SIGINT to the worker process) during its second run: exit 130, the first run's
+    trial stays COMPLETE with its record saved, the run in flight is FAIL and its plan queued again."""
+    problem = api.build_problem(**BIG)
+    url = f"sqlite:///{tmp_path}/s.db"
+    open_verification_study(_spec(**BIG), RunnerConfig(runner="megatron", megatron_path=checkout, steps=2),
+                            storage_url=url, study_name="s", k=3,
+                            top=_top(problem, "tp=2,mbs=1,recompute=selective,zero=1", "tp=4,mbs=1", "tp=2,pp=2,mbs=2"))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               FAKE_MEGATRON_SLEEP_S="0.5", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--storage", url, "--study", "s", "--trials",
+                             "3", "--out", str(tmp_path / "m")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=str(tmp_path))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:          # wait until the first run is told and the second one runs
+        states = [t.state for t in _trials(url, "s")]
+        if states.count(TrialState.COMPLETE) == 1 and TrialState.RUNNING in states:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail(f"the worker did not reach its second run: {proc.communicate()[1][-2000:]}")
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: interrupted: 1 finished runs kept in study s")
+    trials = _trials(url, "s")
+    assert [(t.state, t.user_attrs.get("status")) for t in trials[:2]] == [
+        (TrialState.COMPLETE, "ok"), (TrialState.FAIL, "interrupted")]
+    assert sum(t.state == TrialState.WAITING for t in trials) == 2       # the interrupted plan + the third
+    saved = [f for f in os.listdir(tmp_path / "m") if f.endswith(".json")]
+    assert len(saved) == 1 and len(json.load(open(tmp_path / "m" / saved[0]))) == 1

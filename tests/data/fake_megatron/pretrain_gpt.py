@@ -22,10 +22,12 @@ The "measured" numbers are a deterministic function of the plan (FAKE_MEGATRON_M
 factor per knob), so a test knows what the log says. FAKE_MEGATRON_OOM_MBS=k: micro-batches of k or
 more stop with PyTorch's out-of-memory error (torch.OutOfMemoryError's message) and exit code 1.
 FAKE_MEGATRON_ARGV=FILE: the arguments are appended to FILE (one JSON list per run).
+FAKE_MEGATRON_SLEEP_S=x: each iteration also takes x seconds of wall time (a run to interrupt).
 """
 import json
 import os
 import sys
+import time
 from datetime import datetime
 
 
@@ -65,6 +67,7 @@ def main():
         s += ' number of skipped iterations: {:3d} |'.format(0)
         s += ' number of nan iterations: {:3d} |'.format(0)
         print(s, flush=True)
+        time.sleep(float(os.environ.get("FAKE_MEGATRON_SLEEP_S", "0")))
         mb = 1024.0 * 1024.0
         alloc = 20e9 * (1 + 0.1 * mbs) / tp / pp
         string = f'(after {it} iterations)' + ' memory (MB)'
