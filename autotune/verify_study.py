@@ -264,8 +264,13 @@ def run_verification_worker(storage_url: str, study_name: str, *, n_trials: int 
                 warnings.simplefilter("ignore")     # "heartbeat is supposed to be used with optimize": we beat
                 trial = study.ask()
             proposals += 1
-            entry = _run_trial(study, storage, trial, space, problem, params, spec.memory_limit_gb, run, devices,
-                               log_dir, me, waiting_only)
+            try:
+                entry = _run_trial(study, storage, trial, space, problem, params, spec.memory_limit_gb, run, devices,
+                                   log_dir, me, waiting_only)
+            except KeyboardInterrupt:           # before or after the run itself (predicting, telling)
+                _interrupted(study, trial, space)
+                interrupted = True
+                break
             if entry is None:
                 continue
             if entry.get("ran"):
@@ -336,7 +341,7 @@ def _run_trial(study, storage, trial, space, problem, params, memory_limit_gb, r
         _tell_fail(study, trial, "refused", str(exc))
         return {**entry, "status": "refused", "reason": str(exc)}
     except KeyboardInterrupt:
-        _interrupted(study, trial)
+        _interrupted(study, trial, space)
         return {**entry, "status": "interrupted", "reason": "stopped by Ctrl-C; the plan is queued again"}
     st = res["comparison"]["step_time_s"]
     value = study_value(res, pred["step_time_s"])
@@ -349,7 +354,7 @@ def _run_trial(study, storage, trial, space, problem, params, memory_limit_gb, r
                 "memory_gb_predicted", "record_id"):
         trial.set_user_attr(key, entry[key])
     if res["status"] == "interrupted":
-        _interrupted(study, trial)
+        _interrupted(study, trial, space)
         entry["reason"] = "stopped by Ctrl-C; the plan is queued again"
     elif res["status"] == "ok" and value:
         trial.set_user_attr("status", "ok")
@@ -359,12 +364,21 @@ def _run_trial(study, storage, trial, space, problem, params, memory_limit_gb, r
     return entry
 
 
-def _interrupted(study, trial) -> None:
-    """Fail the trial in flight and queue its plan again (another worker, or the next run, measures it)."""
-    params = dict(trial.params)
-    _tell_fail(study, trial, "interrupted", "stopped by Ctrl-C")
+def _interrupted(study, trial, space) -> None:
+    """Fail the trial in flight and queue its plan again (another worker, or the next run, measures it).
+    A queued plan stopped before its knobs were suggested gets them now (suggest returns the queued
+    ones); a sampler's trial stopped that early had no plan yet and is not queued."""
     keep = {k: v for k, v in trial.user_attrs.items() if k in ("seeded", "predicted_rank")}
-    study.enqueue_trial(params, user_attrs={**keep, "requeued": "interrupted"})
+    if not trial.params and keep.get("seeded"):
+        with contextlib.suppress(IllegalParams):
+            space.suggest(trial)
+    params = dict(trial.params)
+    try:
+        _tell_fail(study, trial, "interrupted", "stopped by Ctrl-C")
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return                                  # already told (the stop came after it): nothing in flight
+    if params:
+        study.enqueue_trial(params, user_attrs={**keep, "requeued": "interrupted"})
 
 
 # ------------------------------------------------------------------------------------------------
