@@ -168,6 +168,18 @@ def measurement_record(problem: Problem, plan: Plan, summary: dict, *, log_path:
     return rec
 
 
+def check_checkout(megatron_path: str, launcher: str) -> None:
+    """What a run needs on this machine: the checkout's pretrain_gpt.py and the launcher on PATH
+    (one line naming what to install otherwise)."""
+    if not os.path.isfile(os.path.join(megatron_path, "pretrain_gpt.py")):
+        raise SpecError("megatron-path", f"no pretrain_gpt.py in {megatron_path}; give a Megatron-LM checkout "
+                        "(git clone https://github.com/NVIDIA/Megatron-LM)")
+    tool = "torchrun" if launcher == "torchrun" else "sbatch"
+    if shutil.which(tool) is None:
+        raise SpecError("launcher", f"{tool} is not on PATH; install {'PyTorch' if tool == 'torchrun' else 'SLURM'} "
+                        "or use --dry-run to print the commands")
+
+
 def megatron_launch(plan: Plan, problem: Problem, megatron_path: str, *, launcher: str = "torchrun",
                     train_iters: int = 10, dry_run: bool = False, log_path: str | None = None,
                     runner=subprocess.run) -> dict:
@@ -183,13 +195,7 @@ def megatron_launch(plan: Plan, problem: Problem, megatron_path: str, *, launche
     out = {"job": job.as_dict(), "launcher": launcher, "ran": False, "measurement": None}
     if dry_run:
         return out
-    if not os.path.isfile(os.path.join(megatron_path, "pretrain_gpt.py")):
-        raise SpecError("megatron-path", f"no pretrain_gpt.py in {megatron_path}; give a Megatron-LM checkout "
-                        "(git clone https://github.com/NVIDIA/Megatron-LM)")
-    tool = "torchrun" if launcher == "torchrun" else "sbatch"
-    if shutil.which(tool) is None:
-        raise SpecError("launcher", f"{tool} is not on PATH; install {'PyTorch' if tool == 'torchrun' else 'SLURM'} "
-                        "or use --dry-run to print the commands")
+    check_checkout(megatron_path, launcher)
     env = {**os.environ, **ENV}
     if launcher == "torchrun":
         if job.nodes > 1:

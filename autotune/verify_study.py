@@ -248,6 +248,9 @@ def run_verification_worker(storage_url: str, study_name: str, *, n_trials: int 
     if run.runner == "jax":
         import jax
         devices = list(devices or jax.devices())
+    else:                   # a worker without a checkout or torchrun takes no trial (it would fail them all)
+        from .launch import check_checkout
+        check_checkout(run.megatron_path, run.launcher)
     me = worker_id()
     entries, records, saved = [], [], None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -210,6 +210,11 @@ def test_worker_flags_and_studies_of_the_wrong_kind_are_one_line(tmp_path):
                             top=_top(problem, "tp=2"), k=1)
     one_line_error(runner.invoke(app, ["worker", "--storage", url, "--study", "ver", "--trials", "1", "--runner",
                                        "megatron"]), 2, "runner", "jax runner")
+    open_verification_study(_spec(**tiny), RunnerConfig(runner="megatron", megatron_path=str(tmp_path)),
+                            storage_url=url, study_name="meg", top=_top(problem, "tp=2"), k=1)
+    one_line_error(runner.invoke(app, ["worker", "--storage", url, "--study", "meg", "--trials", "1"]), 2,
+                   "megatron-path", "pretrain_gpt.py")        # no checkout here: the queued plan is not taken
+    assert [t.state for t in _trials(url, "meg")] == [TrialState.WAITING]
     one_line_error(runner.invoke(app, ["worker", "--storage", url, "--study", "ver", "--timeout", "5"]), 2, "--timeout")
     one_line_error(runner.invoke(app, ["worker", "--storage", url, "--study", "ver"]), 2, "--trials")
     one_line_error(runner.invoke(app, ["search", "--model", TINY, "--gpu", "h100", "--gpus", "2", "--global-batch", "8",
