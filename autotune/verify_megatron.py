@@ -23,7 +23,7 @@ from costmodels.plan import Plan
 from costmodels.specs import SpecError
 from search_spaces.space import Problem
 
-from .launch import LAUNCHERS, RunOutOfMemory, measurement_record, megatron_launch
+from .launch import LAUNCHERS, RunOutOfMemory, check_checkout, measurement_record, megatron_launch
 from .measurements import MIB, read_megatron_log
 from .runner.measure import Measured
 from .search import predict
@@ -86,8 +86,9 @@ def verify_megatron(problem: Problem, plan: Plan, *, megatron_path: str | None, 
         raise SpecError("warmup", f"must be 0 or more, got {warmup}")
     # absolute: torchrun and sbatch run in the checkout, SLURM writes --output relative to it
     log_path = os.path.abspath(log_path or default_log_path(plan, log_dir))
-    if not dry_run:
-        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    if not dry_run:         # bad input leaves nothing behind: the checkout is checked before the log's folder is made
+        check_checkout(os.path.abspath(os.path.expanduser(megatron_path)), launcher)
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
     train_iters = steps + max(warmup, 1)          # Megatron's first iteration is warm-up (compilation, NCCL)
     base = {"runner": "megatron", "platform": "gpu", "proxy": False, "launcher": launcher,
             "run_plan": plan.as_dict(), "run_layers": problem.model.num_layers,

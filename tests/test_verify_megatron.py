@@ -114,6 +114,7 @@ def test_out_of_memory_in_the_run_is_a_measured_oom(checkout, monkeypatch):
 
 
 def test_missing_checkout_or_torchrun_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     base = ["verify", *SMALL, "--plan", "tp=2,pp=2", "--runner", "megatron", "--no-save"]
     one_line_error(runner.invoke(app, base), 2, "megatron-path", "git clone https://github.com/NVIDIA/Megatron-LM")
     one_line_error(runner.invoke(app, base + ["--megatron-path", str(tmp_path)]), 2, "megatron-path", "pretrain_gpt.py")
@@ -123,6 +124,7 @@ def test_missing_checkout_or_torchrun_is_one_line(tmp_path, monkeypatch):
     one_line_error(runner.invoke(app, ["verify", *SMALL, "--plan", "tp=2", "--dry-run", "--no-save"]), 2,
                    "--dry-run", "--runner megatron")
     one_line_error(runner.invoke(app, base + ["--megatron-path", FAKE, "--proxy"]), 2, "proxy", "whole plan")
+    assert os.listdir(tmp_path) == []                        # bad input left nothing behind
 
 
 SEARCH = ["search", *SMALL, "--no-save", "--no-sensitivity", "--json"]
