@@ -222,27 +222,34 @@ def test_worker_flags_and_studies_of_the_wrong_kind_are_one_line(tmp_path):
                                        "--study", "ver", "--no-save"]), 2, "study", "is a verification study")
 
 
-def test_a_worker_in_another_process_measures_on_two_host_devices(tmp_path):
-    """The distributed case for real: the study is made here, a separate `autotune worker` process (2
-    host CPU devices via XLA_FLAGS, set before JAX starts there) takes the queued tp=2 plan (a full
-    run on both devices) and then one of the sampler's."""
+def test_two_jax_workers_in_turn_one_in_another_process_on_two_host_devices(tmp_path):
+    """The distributed case for real, tiny model: the study is made here and this process's worker (1
+    CPU device) measures the first queued plan (dp=2 as a proxy: one DP rank); then a separate
+    `autotune worker` process (2 host CPU devices via XLA_FLAGS, set before JAX starts there) takes the
+    other queued plan (tp=2, a full run on both devices). (The sampler's proposals after the queue:
+    test_two_workers_measure_distinct_plans_of_one_study.)"""
     tiny = dict(model=TINY, gpu="h100", gpus=2, global_batch=8, seq_len=32)
     problem = api.build_problem(**tiny)
     url = f"sqlite:///{tmp_path}/p.db"
     open_verification_study(_spec(**tiny), RunnerConfig(runner="jax", steps=2), storage_url=url, study_name="p",
-                            top=_top(problem, "tp=2,mbs=1"), k=1)
+                            top=_top(problem, "dp=2,mbs=1", "tp=2,mbs=1"), k=2)
+    first = run_verification_worker(url, "p", n_trials=1)
+    assert [(e["seeded"], e["status"], e["proxy"]) for e in first["entries"]] == [("cost model #1", "ok", True)]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "cli.main", "worker", "--storage", url, "--study", "p", "--trials",
-                           "2", "--seed", "0", "--json", "--out", str(tmp_path / "m")],
+                           "1", "--seed", "0", "--json", "--out", str(tmp_path / "m")],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     ran = [e for e in out["entries"] if e.get("ran")]
-    assert out["runs"] == 2 and ran[0]["seeded"] == "cost model #1" and ran[0]["proxy"] is False
-    assert ran[1]["seeded"] is None and ran[1]["plan"] != ran[0]["plan"]
+    assert out["runs"] == 1 and ran[0]["seeded"] == "cost model #2" and ran[0]["status"] == "ok"
+    assert ran[0]["plan"]["tp"] == 2 and ran[0]["proxy"] is False       # the whole plan on the 2 devices
+    assert out["worker"] != first["worker"]
     trials = _trials(url, "p")
-    assert sum(t.state == TrialState.COMPLETE for t in trials) == sum(e["status"] == "ok" for e in ran)
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE]
+    assert trials[0].user_attrs["worker"] != trials[1].user_attrs["worker"]
+    assert trials[0].user_attrs["plan"] != trials[1].user_attrs["plan"]
 
 
 def test_sigint_to_a_worker_process_keeps_the_finished_run(checkout, tmp_path):
