@@ -48,7 +48,12 @@ class MegatronJob:
 
 def command_text(argv, env: dict | None = None) -> str:
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
-    return (prefix + " " if prefix else "") + " ".join(shlex.quote(str(a)) for a in argv)
+    return (prefix + " " if prefix else "") + " ".join(_shell_word(str(a)) for a in argv)
+
+
+def _shell_word(arg: str) -> str:
+    """A quoted shell word; `${MASTER_ADDR}` (set on each node) stays expandable."""
+    return arg if "${MASTER_ADDR}" in arg else shlex.quote(arg)
 
 
 def run_args(train_iters: int) -> list:
@@ -89,7 +94,7 @@ def megatron_job(plan: Plan, problem: Problem, megatron_path: str, *, train_iter
 
 def sbatch_script(torchrun_argv, nodes: int, per_node: int, log_path: str, problem: Problem) -> str:
     """A SLURM batch script: one torchrun per node (srun), rendezvous on the first node."""
-    launch = " ".join(a if a.startswith("${") or "${MASTER_ADDR}" in a else shlex.quote(a) for a in torchrun_argv)
+    launch = " ".join(_shell_word(a) for a in torchrun_argv)
     return "\n".join([
         "#!/bin/bash",
         f"#SBATCH --job-name=autotune-{problem.model.name}",
@@ -106,18 +111,39 @@ def sbatch_script(torchrun_argv, nodes: int, per_node: int, log_path: str, probl
     ])
 
 
+class RunOutOfMemory(SpecError):
+    """The run stopped with a CUDA out-of-memory error (its log says so)."""
+
+
+#: what PyTorch's caching allocator raises when an allocation fails (torch.OutOfMemoryError, whose
+#: message starts "CUDA out of memory."), and NCCL's own allocation failure
+_OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "NCCL WARN Cuda failure 'out of memory'")
+
+
+def out_of_memory_line(log_path: str) -> str | None:
+    """The first line of the log that reports an out-of-memory error, or None."""
+    try:
+        with open(log_path, errors="replace") as fh:
+            for line in fh:
+                if any(m in line for m in _OOM_MARKERS):
+                    return " ".join(line.split())[:200]
+    except OSError:
+        return None
+    return None
+
+
 def measurement_record(problem: Problem, plan: Plan, summary: dict, *, log_path: str, job: MegatronJob | None = None,
                        run_id: str | None = None) -> dict:
     """A measured run in the row schema of shared/validation (README there), from `log_summary`."""
     m = problem.model
     counts = m.param_counts()
-    step = summary["step_time_s"]
+    step = summary.get("step_time_s")
     tokens = problem.job.global_batch * problem.job.seq_len
     rec = {
         "id": run_id or f"megatron-{m.name}-{problem.cluster.num_gpus}x{problem.cluster.gpu.name}-"
                         f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%S')}",
         "source": {"title": "autotune launch (Megatron-LM, mock data)", "table": log_path, "group": "autotune launch"},
-        "confidence": "high", "usable": True,
+        "confidence": "high" if step else "low", "usable": bool(step),
         "model": {"name": m.name, "layers": m.num_layers, "hidden": m.hidden_size, "ffn_hidden": m.ffn_hidden_size,
                   "heads": m.num_attention_heads, "kv_heads": m.num_kv_heads, "vocab": m.vocab_size,
                   "seq_len": problem.job.seq_len, "num_experts": m.num_experts or None,
@@ -131,13 +157,27 @@ def measurement_record(problem: Problem, plan: Plan, summary: dict, *, log_path:
                  "recompute": plan.recompute.name.lower(), "distributed_optimizer_or_zero": plan.zero,
                  "precision": problem.job.precision.value, "precision_key": problem.job.precision.value,
                  "recompute_key": plan.recompute.name.lower(), "zero_key": plan.zero, "autotune_plan": str(plan)},
-        "measured": {"iteration_time_s": step, "tokens_per_s_per_gpu": tokens / step / problem.cluster.num_gpus,
+        "measured": {"iteration_time_s": step,
+                     "tokens_per_s_per_gpu": tokens / step / problem.cluster.num_gpus if step else None,
                      "tflops_per_gpu": summary.get("tflops_per_gpu"), "mfu": None, "hfu": None,
                      "memory_gb": summary.get("max_allocated_gb")},
-        "notes": f"median of {summary['n_used']} iteration lines after the first (warm-up)",
+        "notes": (f"median of {summary['n_used']} iteration lines after the first (warm-up)" if step
+                  else "the run did not finish: no measurement"),
         "derived_fields": ["measured.tokens_per_s_per_gpu"],
     }
     return rec
+
+
+def check_checkout(megatron_path: str, launcher: str) -> None:
+    """What a run needs on this machine: the checkout's pretrain_gpt.py and the launcher on PATH
+    (one line naming what to install otherwise)."""
+    if not os.path.isfile(os.path.join(megatron_path, "pretrain_gpt.py")):
+        raise SpecError("megatron-path", f"no pretrain_gpt.py in {megatron_path}; give a Megatron-LM checkout "
+                        "(git clone https://github.com/NVIDIA/Megatron-LM)")
+    tool = "torchrun" if launcher == "torchrun" else "sbatch"
+    if shutil.which(tool) is None:
+        raise SpecError("launcher", f"{tool} is not on PATH; install {'PyTorch' if tool == 'torchrun' else 'SLURM'} "
+                        "or use --dry-run to print the commands")
 
 
 def megatron_launch(plan: Plan, problem: Problem, megatron_path: str, *, launcher: str = "torchrun",
@@ -155,13 +195,7 @@ def megatron_launch(plan: Plan, problem: Problem, megatron_path: str, *, launche
     out = {"job": job.as_dict(), "launcher": launcher, "ran": False, "measurement": None}
     if dry_run:
         return out
-    if not os.path.isfile(os.path.join(megatron_path, "pretrain_gpt.py")):
-        raise SpecError("megatron-path", f"no pretrain_gpt.py in {megatron_path}; give a Megatron-LM checkout "
-                        "(git clone https://github.com/NVIDIA/Megatron-LM)")
-    tool = "torchrun" if launcher == "torchrun" else "sbatch"
-    if shutil.which(tool) is None:
-        raise SpecError("launcher", f"{tool} is not on PATH; install {'PyTorch' if tool == 'torchrun' else 'SLURM'} "
-                        "or use --dry-run to print the commands")
+    check_checkout(megatron_path, launcher)
     env = {**os.environ, **ENV}
     if launcher == "torchrun":
         if job.nodes > 1:
@@ -176,6 +210,9 @@ def megatron_launch(plan: Plan, problem: Problem, megatron_path: str, *, launche
         proc = runner(["sbatch", "--wait", script], env=env, cwd=megatron_path)
     out["ran"] = True
     if getattr(proc, "returncode", 0) != 0:
+        oom = out_of_memory_line(job.log_path)
+        if oom:
+            raise RunOutOfMemory("megatron", f"out of memory (exit code {proc.returncode}): {oom}; see {job.log_path}")
         raise SpecError("megatron", f"the run exited with code {proc.returncode}; see {job.log_path}")
     summary = log_summary(read_megatron_log(job.log_path))
     out["measurement"] = measurement_record(problem, plan, summary, log_path=job.log_path, job=job)

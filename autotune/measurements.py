@@ -113,9 +113,9 @@ def log_summary(parsed: dict) -> dict:
     gb = {i["global_batch"] for i in its if "global_batch" in i}
     if gb:
         out["global_batch"] = sorted(gb)[-1]
-    if parsed["memory"]:
-        out["max_reserved_gb"] = max((m.get("max_reserved_mb", 0.0) for m in parsed["memory"]), default=0.0) / 1e3
-        out["max_allocated_gb"] = max(m["max_allocated_mb"] for m in parsed["memory"]) / 1e3
+    if parsed["memory"]:       # report_memory prints MiB (utils: mega_bytes = 1024 * 1024); GB = 1e9 bytes
+        out["max_reserved_gb"] = max((m.get("max_reserved_mb", 0.0) for m in parsed["memory"]), default=0.0) * MIB / 1e9
+        out["max_allocated_gb"] = max(m["max_allocated_mb"] for m in parsed["memory"]) * MIB / 1e9
     return out
 
 

@@ -27,7 +27,7 @@ from .objectives import CONSTRAINT, OBJECTIVES, directions, parse_objectives, tr
 from .samplers import DEFAULT_SAMPLER, make_sampler
 from .search import MESH, NoLegalPlan, NothingFits, SearchResult, _closest_message
 from .storage import is_storage_error, load_study, open_storage, redact_url, storage_error
-from .studies import STUDY_ATTR
+from .studies import STUDY_ATTR, VERIFY_ATTR
 from .study_spec import DEFAULT_BATCH, MAX_BATCH, StudySpec, default_study_name, spec_line
 from .trials import best_trials, count_states, feasible, metrics, pareto_trials
 
@@ -62,6 +62,9 @@ def create_study(spec: StudySpec, *, storage_url: str | None, study_name: str | 
             existing = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
     if existing is not None:
         old = existing.user_attrs.get(STUDY_ATTR)
+        if VERIFY_ATTR in existing.user_attrs:
+            raise SpecError("study", f"study {name!r} in {redact_url(storage_url)} is a verification study (real "
+                            f"runs: `autotune worker --runner`); choose another --study name")
         if not old:
             raise SpecError("study", f"study {name!r} in {redact_url(storage_url)} was not made by autotune; "
                             f"choose another --study name")

@@ -21,6 +21,8 @@ from .trials import best_trials, pareto_trials
 
 #: The study user attribute that holds the problem (see study_spec.StudySpec).
 STUDY_ATTR = "autotune"
+#: a verification study (real runs, autotune.verify_study) holds how it runs a plan under this key
+VERIFY_ATTR = "autotune_verify"
 _PROBLEM_KEYS = ("model", "gpu", "gpus", "global_batch", "seq_len", "precision", "gpus_per_node", "intra_node_bw",
                  "inter_node_bw", "cluster_file", "memory_limit_gb", "calibration", "fixed")
 _CSV_ATTRS = ("gpus", "step_time_s", "tokens_per_s", "memory_gb", "fits", "cost_gpu_h")
@@ -95,6 +97,8 @@ def _show_study(url: str | None, name: str, top: int) -> dict:
         "trials": dict(sorted(Counter(t.state.name.lower() for t in trials).items())), "n_trials": len(trials),
         "best": [trial_row(t) for t in best_trials(study, objectives, top)],
     }
+    if VERIFY_ATTR in study.user_attrs:          # real runs: how they ran (autotune.verify_study)
+        out["verification"] = study.user_attrs[VERIFY_ATTR]
     if len(study.directions) > 1:
         out["pareto_front"] = [trial_row(t) for t in pareto_trials(study)]
     return out

@@ -30,8 +30,9 @@ from search_spaces.space import Problem
 
 from .search import predict
 
-#: runners this build has; `megatron` comes with the Megatron exporter (issue 14 item 3)
-RUNNERS = ("jax",)
+#: runners this build has: the built-in JAX transformer, and Megatron-LM through the exporter
+#: (`autotune.verify_megatron`: a checkout and torchrun or SLURM)
+RUNNERS = ("jax", "megatron")
 _DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
 #: what the jax runner does, in Megatron's option names: no TP-communication overlap (no TE userbuffers),
 #: fp32 gradient accumulation, XLA schedules the DP collectives (not Megatron's bucketed overlap)
@@ -130,15 +131,19 @@ def machine_info(devices) -> dict:
 
 def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, warmup: int = 1,
                 proxy: bool = False, layers: int | None = None, runner: str = "jax", params=None,
-                devices=None, on_step=None) -> dict:
-    """Run `plan` (or its proxy), measure it, predict the same run, and return both with the record."""
+                devices=None, on_step=None, megatron: dict | None = None) -> dict:
+    """Run `plan` (or its proxy), measure it, predict the same run, and return both with the record.
+    `megatron`: verify_megatron's options (megatron_path, launcher, dry_run, log_path) for that runner."""
     from .runner.measure import measure, model_flops_per_step
     from .runner.model import Dims
     from .runner.sharded import RunShape, unsupported_reason
 
     if runner == "megatron":
-        raise SpecError("runner", "verify runs the jax runner; for Megatron-LM use `autotune launch --megatron-path "
-                        "DIR --plan ...` (it runs the exported command and parses its log)")
+        from .verify_megatron import verify_megatron
+        if proxy or layers is not None:
+            raise SpecError("proxy" if proxy else "layers", "the megatron runner runs the whole plan on the GPUs "
+                            "the job gets (torchrun or SLURM); --proxy and --layers are the jax runner's")
+        return verify_megatron(problem, plan, steps=steps, warmup=warmup, params=params, **(megatron or {}))
     if runner not in RUNNERS:
         raise SpecError("runner", f"unknown runner {runner!r}; this build has: {', '.join(RUNNERS)}")
     if steps < 1:
@@ -286,7 +291,7 @@ def plan_slug(p: Plan) -> str:
 
 
 def verify_top(problem: Problem, top: list, k: int, *, gpu_key: str, steps: int = 3, params=None, devices=None,
-               on_result=None) -> dict:
+               on_result=None, runner: str = "jax", megatron: dict | None = None) -> dict:
     """Measure the first k plans of a search (`top`: its plan reports), each as a full run when the
     devices suffice, else as a proxy; re-rank them by the measured step time. A proxy (or a --layers
     run) does not measure the whole step, so its plan is ranked by the full plan's prediction scaled by
@@ -302,8 +307,9 @@ def verify_top(problem: Problem, top: list, k: int, *, gpu_key: str, steps: int 
         plan = Plan.from_dict(rep["plan"])
         entry = {"predicted_rank": rank, "plan": rep["plan"], "predicted_step_time_s": rep["step_time_s"]}
         try:
-            res = verify_plan(problem, plan, gpu_key=gpu_key, steps=steps, proxy=plan.num_gpus > len(devices),
-                              params=params, devices=devices)
+            res = verify_plan(problem, plan, gpu_key=gpu_key, steps=steps,
+                              proxy=runner == "jax" and plan.num_gpus > len(devices), params=params,
+                              devices=devices, runner=runner, megatron=megatron)
         except SpecError as exc:
             entry.update(status="skipped", reason=str(exc))
         except KeyboardInterrupt:
@@ -322,12 +328,13 @@ def verify_top(problem: Problem, top: list, k: int, *, gpu_key: str, steps: int 
             on_result(entry)
         if interrupted:
             break
-    on_gpu = devices[0].platform == "gpu"
+    on_gpu = runner == "megatron" or devices[0].platform == "gpu"
     timed = [e for e in entries if e.get("corrected_step_time_s")]
     order = sorted(timed, key=lambda e: e["corrected_step_time_s"]) if on_gpu else timed
     for i, e in enumerate(order, 1):
         e["measured_rank"] = i if on_gpu else None
-    return {"k": k, "steps": steps, "platform": devices[0].platform, "interrupted": interrupted,
+    return {"k": k, "steps": steps, "platform": "gpu" if runner == "megatron" else devices[0].platform,
+            "runner": runner, "interrupted": interrupted,
             "reranked": on_gpu, "plans": entries,
             "note": ("re-ranked by measured step time (proxies: the full plan's prediction x measured/predicted "
                      "of the run)") if on_gpu else

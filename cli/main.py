@@ -170,6 +170,10 @@ def search(
     moe_token_dispatcher_type: DispatcherOpt = None,
     export_to: export_cmds.ExportOpt = None,
     verify_top: verify_cmds.VerifyTopOpt = None,
+    runner: verify_cmds.RunnerOpt = "jax",
+    megatron_path: verify_cmds.MegatronPathOpt = None,
+    launcher: verify_cmds.LauncherOpt = "torchrun",
+    dry_run: verify_cmds.DryRunOpt = False,
     memory_headroom: capacity_cmds.HeadroomOpt = None,
 ) -> int:
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
@@ -180,10 +184,29 @@ def search(
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
+    verify_cmds.check_verify_options(verify_top, runner, megatron_path, launcher, dry_run, gpu_count)
     room = capacity_cmds.headroom_of(gpu, cluster, memory_limit_gb, memory_headroom, gpu_count)
     memory_limit_gb = room.limit_gb if room else memory_limit_gb
+    # with --verify-top, --storage/--study hold the verification study (the cost-model search runs in memory)
+    verify_storage, verify_study = (storage, study) if verify_top else (None, None)
+    storage, study = (None, None) if verify_top else (storage, study)
     given = [name for name, value in zip(optuna_cmds.OPTUNA_OPTIONS, (trials, timeout, sampler, seed,
                                                                       storage, study, batch_size)) if value is not None]
+    verification = None
+    if verify_top:
+        def verification(the_problem, report, params):
+            spec = None
+            if verify_storage:
+                from autotune.study_spec import StudySpec
+                spec = StudySpec(model=model, gpu=gpu, gpus=str(the_problem.cluster.num_gpus),
+                                 global_batch=the_problem.job.global_batch, seq_len=the_problem.job.seq_len,
+                                 precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
+                                 inter_node_bw=inter_node_bw, cluster_file=cluster, memory_limit_gb=memory_limit_gb,
+                                 calibration=calibration, framework={k: v for k, v in fw.items() if v is not None})
+            return verify_cmds.search_verification(the_problem, report, verify_top, params, as_json, out, no_save,
+                                                   runner=runner, megatron_path=megatron_path, launcher=launcher,
+                                                   dry_run=dry_run, storage=verify_storage, study=verify_study,
+                                                   spec=spec)
     problem = None
     if gpu_count is None or isinstance(gpu_count, int):      # check the input before importing JAX/Optuna
         problem = _problem(model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
@@ -195,7 +218,6 @@ def search(
                                     model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
                                     intra_node_bw, inter_node_bw, cluster, fw)))
     if choice.strategy == "optuna" or optuna_cmds.is_gpu_range(gpu_count):
-        verify_cmds.refuse_with_optuna(verify_top)
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
             gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, cluster=cluster,
@@ -203,7 +225,7 @@ def search(
             calibration=calibration, trials=trials, timeout=timeout, sampler=sampler, seed=seed,
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
             requested=strategy, with_sensitivity=with_sensitivity, framework=fw, export_to=export_to,
-            headroom=room)
+            headroom=room, verification=verification)
     from autotune import api
     from autotune.advice import no_legal_plan_advice, nothing_fits_advice
     from autotune.report import save_report, search_report
@@ -229,8 +251,8 @@ def search(
         with spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
     export_cmds.finish_report(report, problem, export_to)
-    if verify_top:
-        report["verification"] = verify_cmds.search_verification(problem, report, verify_top, params, as_json, out, no_save)
+    if verification is not None:
+        report["verification"] = verification(problem, report, params)
     saved, save_error = None, None
     if not no_save:
         try:

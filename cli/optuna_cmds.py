@@ -219,7 +219,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       storage: Optional[str], study: Optional[str], batch_size: Optional[int],
                       choice: osr.StrategyChoice | None = None, requested: str = "optuna",
                       with_sensitivity: bool = True, framework: Optional[dict] = None,
-                      export_to: str | None = None, headroom=None) -> int:
+                      export_to: str | None = None, headroom=None, verification: Callable | None = None) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code.
     A report that cannot be saved (the folder went away, the disk is full) is still printed; then one
     `error:` line and exit code 2, as the exhaustive path does."""
@@ -270,6 +270,9 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
     finish_report(report, result.problem, export_to)
+    if verification is not None:          # search --verify-top K: measure the study's top plans
+        params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
+        report["verification"] = verification(result.problem, report, params)
     saved, save_error = None, None
     if not no_save:
         try:
@@ -304,6 +307,9 @@ def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str, save
     else:
         con.print(Text(f"Strategy: exhaustive over the GPU range ({choice.reason})."))
     con.print(_plans_table(report["top"]))
+    if report.get("verification"):
+        from cli.verify_cmds import print_verification
+        print_verification(con, report["verification"])
     if info.get("pareto_front"):
         con.print(_pareto_table(info["pareto_front"], info["objectives"]))
     con.print()
@@ -341,8 +347,25 @@ def worker(
     stale_after: Annotated[float, typer.Option("--stale-after", help="Fail RUNNING trials older than this "
                                                "many seconds (left by a dead worker).")] = STALE_AFTER_S,
     as_json: JsonOpt = False,
+    runner: Annotated[Optional[str], typer.Option("--runner", help="Measure plans of a verification study "
+                      "(`search --verify-top K --storage`) with jax or megatron (default: the study's runner).")] = None,
+    megatron_path: Annotated[Optional[str], typer.Option("--megatron-path", help="This machine's Megatron-LM "
+                             "checkout (default: the study's).")] = None,
+    launcher: Annotated[Optional[str], typer.Option("--launcher", help="torchrun or slurm (default: the "
+                        "study's).")] = None,
+    out: Annotated[str, typer.Option("--out", help="Folder for the measurement records of a verification "
+                                     "worker.")] = "measurements",
 ) -> int:
-    """Run trials of a shared study: its problem comes from the study; --trials is this worker's share."""
+    """Run trials of a shared study: its problem comes from the study; --trials is this worker's share.
+    On a verification study (`search --verify-top K --storage`) each trial is a real run (--runner)."""
+    from autotune.verify_study import is_verification_study
+    if runner is not None or is_verification_study(storage, study):
+        return _verification_worker(storage, study, trials=trials, timeout=timeout, batch_size=batch_size,
+                                    seed=seed, stale_after=stale_after, as_json=as_json, runner=runner,
+                                    megatron_path=megatron_path, launcher=launcher, out=out)
+    for flag, given in (("--megatron-path", megatron_path), ("--launcher", launcher)):
+        if given is not None:
+            raise SpecError(flag, "applies to a verification study (autotune worker --runner ...)")
     osr = _osr()
     if trials is None and timeout is None:
         raise SpecError("--trials", "give --trials N (this worker's share) or --timeout SECONDS")
@@ -366,6 +389,44 @@ def worker(
     if code == EXIT_INTERRUPTED:
         _error_line(f"interrupted: {out['run']['trials']} trials of this worker kept in study {study}")
     return code
+
+
+def _verification_worker(storage: str, study: str, *, trials, timeout, batch_size, seed, stale_after, as_json: bool,
+                         runner, megatron_path, launcher, out: str) -> int:
+    """`autotune worker` on a verification study: each trial a real run; OOM / refused plans are FAIL
+    trials and the worker goes on; Ctrl-C fails the run in flight, queues its plan again, exits 130."""
+    from autotune.verify import plan_slug
+    from autotune.verify_study import run_verification_worker
+    from costmodels.plan import Plan
+    for flag, given in (("--timeout", timeout), ("--batch-size", batch_size)):
+        if given is not None:
+            raise SpecError(flag, "applies to cost-model studies; a verification worker takes --trials N")
+    if trials is None:
+        raise SpecError("--trials", "give --trials N (the plans this worker measures)")
+    con = _console()
+
+    def show(e: dict) -> None:
+        plan = plan_slug(Plan.from_dict(e["plan"])) if "tp" in (e.get("plan") or {}) else str(e.get("plan"))
+        value = f", value {e['value']:.4f} s" if e.get("value") else ""
+        how = f" [{e['seeded']}]" if e.get("seeded") else " [sampler]"
+        con.print(Text(f"  trial {e['trial']}{how} {plan}: {e['status']}{value}"
+                       + (f" ({e['reason']})" if e.get("reason") and e["status"] != "ok" else "")))
+
+    res = run_verification_worker(storage, study, n_trials=trials, runner=runner, megatron_path=megatron_path,
+                                  launcher=launcher, seed=seed, out=out, stale_after_s=stale_after,
+                                  on_result=None if as_json else show)
+    if as_json:
+        _print_json(res)
+    else:
+        st = res["study_trials"]
+        con.print(Text(f"Worker {res['worker']} ran {res['runs']} plans ({res['runner']} runner, {res['steps']} steps "
+                       f"each) of verification study {res['study']} in {res['storage']} in {res['elapsed_s']:.1f} s; "
+                       f"the study holds {', '.join(f'{k} {v}' for k, v in st.items() if v)} trials."
+                       + (f" Records: {res['saved']}" if res["saved"] else "")))
+    if res["interrupted"]:
+        _error_line(f"interrupted: {res['runs']} finished runs kept in study {study}; the run in flight is queued again")
+        return EXIT_INTERRUPTED
+    return EXIT_OK
 
 
 # ------------------------------------------------------------------------------------------------
@@ -394,6 +455,8 @@ def studies(
         return EXIT_OK
     if study:
         out = show_study(storage, study, top=top)
+        if out.get("verification"):
+            return _show_verification(storage, study, top, as_json)
         if as_json:
             _print_json(out)
             return EXIT_OK
@@ -424,6 +487,33 @@ def studies(
     for r in rows:
         table.add_row(r["name"], r["problem"], ", ".join(r["objectives"]), str(r["sampler"]),
                       ", ".join(f"{k} {v}" for k, v in r["trials"].items()), str(r["started"]))
+    con.print(table)
+    return EXIT_OK
+
+
+def _show_verification(storage: str, study: str, top: int, as_json: bool) -> int:
+    """`studies --study NAME` of a verification study: its plans ranked by measured step time."""
+    from autotune.verify import plan_slug
+    from autotune.verify_study import verification_summary
+    from costmodels.plan import Plan
+    summ = verification_summary(storage, study)
+    if as_json:
+        _print_json(summ)
+        return EXIT_OK
+    con = _console()
+    con.print(Text(f"Verification study {study} in {summ['storage']} ({summ['runner']} runner, {summ['steps']} steps "
+                   f"per run): {', '.join(f'{k.lower()} {v}' for k, v in summ['counts'].items() if v)} trials."))
+    table = Table(title="Plans by measured step time (the study's value)", title_justify="left")
+    for col in ("#", "trial", "plan", "queued as", "status", "value (s)", "measured s (run)", "predicted s", "worker"):
+        table.add_column(col, justify="right" if col in ("#", "trial") or " s" in col or "(s)" in col else "left")
+    rows = sorted(summ["plans"], key=lambda r: (r.get("measured_rank") or 1e9, r["trial"]))[:max(top, 1) * 4]
+    for r in rows:
+        plan = plan_slug(Plan.from_dict(r["plan"])) if "tp" in r["plan"] else "-"
+        table.add_row(str(r.get("measured_rank") or "-"), str(r["trial"]), plan, r.get("seeded") or "sampler",
+                      r["status"], "-" if r["value"] is None else f"{r['value']:.4f}",
+                      "-" if r["measured_run_step_time_s"] is None else f"{r['measured_run_step_time_s']:.4f}",
+                      "-" if r["predicted_step_time_s"] is None else f"{r['predicted_step_time_s']:.4f}",
+                      str(r.get("worker") or "-"))
     con.print(table)
     return EXIT_OK
 

@@ -21,9 +21,18 @@ from cli.options import (CalibrationOpt, GlobalBatchOpt, GpuOpt, GpusOpt, JsonOp
                          SeqLenOpt)
 
 EXIT_OK, EXIT_OOM, EXIT_INTERRUPTED = 0, 3, 130
+#: autotune.verify.RUNNERS, spelled here so that checking the flags imports no JAX (tests check they agree)
+RUNNERS = ("jax", "megatron")
 
 StepsOpt = Annotated[int, typer.Option("--steps", min=1, help="Timed optimizer steps (after --warmup).")]
-RunnerOpt = Annotated[str, typer.Option("--runner", help="jax (built in).")]
+RunnerOpt = Annotated[str, typer.Option("--runner", help="jax (the built-in JAX transformer) or megatron (Megatron-LM: "
+                                        "--megatron-path, torchrun or SLURM).")]
+MegatronPathOpt = Annotated[Optional[str], typer.Option("--megatron-path", help="A Megatron-LM checkout (holds "
+                                                        "pretrain_gpt.py), for --runner megatron.")]
+LauncherOpt = Annotated[str, typer.Option("--launcher", help="torchrun (this node) or slurm (sbatch --wait), for "
+                                          "--runner megatron.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="--runner megatron: print the torchrun command (or the "
+                                         "sbatch script) and run nothing.")]
 ProxyOpt = Annotated[bool, typer.Option("--proxy", help="Run the plan's per-device shapes on fewer devices: one "
                                         "pipeline stage, one DP rank (says which terms stay predicted).")]
 LayersOpt = Annotated[Optional[int], typer.Option("--layers", help="Build this many layers (default: the model's, "
@@ -90,6 +99,8 @@ def print_result(con: Console, res: dict) -> None:
         con.print(Text("  still predicted: " + "; ".join(res["predicted_terms"])))
     full = res["predicted_full_plan"]
     con.print(Text(f"  full plan predicted: {full['step_time_s']:.4f} s per step, {full['memory_gb']:.2f} GB per GPU"))
+    if res.get("job"):
+        con.print(Text(f"  command: {res['job']['torchrun_text']}"), soft_wrap=True)
     if res["error"]:
         con.print(Text(f"  {res['status']}: {res['error']}"))
 
@@ -111,18 +122,28 @@ def verify(
     no_save: Annotated[bool, typer.Option("--no-save", help="Do not write the measurement record.")] = False,
     as_json: JsonOpt = False,
     calibration: CalibrationOpt = None,
+    megatron_path: MegatronPathOpt = None,
+    launcher: LauncherOpt = "torchrun",
+    dry_run: DryRunOpt = False,
 ) -> int:
     """Run a plan for a few steps with a real runner; print predicted vs measured; save the record."""
     from autotune import api
     from autotune.verify import plan_slug, verify_plan
+    megatron = megatron_options(runner, megatron_path, launcher, dry_run, out)
     problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                                 precision=precision)
     params, _ = api.load_params(calibration, problem.cluster.gpu.name)
     the_plan = api.plan_from_text(plan, problem)
     con = _console(as_json)
     res = verify_plan(problem, the_plan, gpu_key=problem.cluster.gpu.name, steps=steps, warmup=warmup, proxy=proxy,
-                      layers=layers, runner=runner, params=params,
+                      layers=layers, runner=runner, params=params, megatron=megatron,
                       on_step=None if as_json else lambda i, dt: con.print(Text(f"  step {i}: {dt:.4f} s")))
+    if res["status"] == "dry-run":
+        if as_json:
+            sys.stdout.write(json.dumps(res, indent=2) + "\n")
+        else:
+            sys.stdout.write(command_of(res["job"], launcher))
+        return EXIT_OK
     res["saved"] = None if no_save else save_records([res["record"]], out, f"verify_{plan_slug(the_plan)}")
     if as_json:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
@@ -135,51 +156,159 @@ def verify(
     return EXIT_INTERRUPTED if res["status"] == "interrupted" else EXIT_OK
 
 
+def megatron_options(runner: str, megatron_path: Optional[str], launcher: str, dry_run: bool, out: str) -> dict | None:
+    """verify_plan's `megatron` options; the Megatron-only flags are refused with the jax runner."""
+    if runner != "megatron":
+        for flag, given in (("--megatron-path", megatron_path), ("--dry-run", dry_run),
+                            ("--launcher", launcher != "torchrun")):
+            if given:
+                raise SpecError(flag, "applies to --runner megatron")
+        return None
+    from autotune.verify_megatron import check_megatron_options
+    check_megatron_options(megatron_path, launcher)
+    return {"megatron_path": megatron_path, "launcher": launcher, "dry_run": dry_run, "log_dir": out}
+
+
+def command_of(job: dict, launcher: str) -> str:
+    """What --dry-run prints: the torchrun command line, or the sbatch script."""
+    return job["sbatch"] if launcher == "slurm" else job["torchrun_text"] + "\n"
+
+
 def register(app: typer.Typer) -> None:
     app.command("verify")(verify)
 
 
-VerifyTopOpt = Annotated[Optional[int], typer.Option("--verify-top", min=1, help="Measure the best K plans with the "
-                                                     "jax runner (proxies when devices are few) and re-rank them.")]
+VerifyTopOpt = Annotated[Optional[int], typer.Option("--verify-top", min=1, help="Measure the best K plans with "
+                                                     "--runner (proxies when devices are few) and re-rank them; with "
+                                                     "--storage/--study they are queued in a verification study that "
+                                                     "`autotune worker` on other machines joins.")]
 
 
-def search_verification(problem, report: dict, k: int, params, as_json: bool, out: str, no_save: bool) -> dict:
-    """`search --verify-top K`: measure the report's top plans; their records saved in OUT/measurements."""
-    from autotune.verify import record_trials, verify_top
+def check_verify_options(verify_top: Optional[int], runner: str, megatron_path: Optional[str], launcher: str,
+                         dry_run: bool, gpus) -> None:
+    """The --verify-top flags of `search`, checked before any search runs."""
+    from cli.optuna_cmds import is_gpu_range
+    if not verify_top:
+        for flag, given in (("--runner", runner != "jax"), ("--megatron-path", megatron_path),
+                            ("--launcher", launcher != "torchrun"), ("--dry-run", dry_run)):
+            if given:
+                raise SpecError(flag, "applies to --verify-top K")
+        return
+    if runner not in RUNNERS:
+        raise SpecError("runner", f"unknown runner {runner!r}; this build has: {', '.join(RUNNERS)}")
+    if is_gpu_range(gpus):
+        raise SpecError("verify-top", "measures plans of one GPU count; give --gpus N, not a range")
+    if dry_run and runner != "megatron":
+        raise SpecError("--dry-run", "applies to --runner megatron")
+    megatron_options(runner, megatron_path, launcher, dry_run, ".")
+
+
+def search_verification(problem, report: dict, k: int, params, as_json: bool, out: str, no_save: bool, *,
+                        runner: str = "jax", megatron_path: Optional[str] = None, launcher: str = "torchrun",
+                        dry_run: bool = False, storage: Optional[str] = None, study: Optional[str] = None,
+                        spec=None) -> dict:
+    """`search --verify-top K`: measure the report's top plans (records saved in OUT/measurements).
+    In memory by default; with `storage` the plans are queued in a verification study (spec: the search
+    problem as a StudySpec) and this process measures queued plans until none is left."""
     con = _console(as_json)
+    meas_dir = os.path.join(out, "measurements")
+    if dry_run:
+        return _dry_run_commands(problem, report["top"][:k], megatron_path, launcher, meas_dir)
+    if storage:
+        return _study_verification(report, k, as_json, meas_dir, no_save, runner=runner, megatron_path=megatron_path,
+                                   launcher=launcher, storage=storage, study=study, spec=spec)
+    from autotune.verify import record_trials, verify_top
     show = lambda e: con.print(Text(f"  verified #{e['predicted_rank']}: {e['status']}"))   # noqa: E731
     ver = verify_top(problem, report["top"], k, gpu_key=problem.cluster.gpu.name, params=params,
-                     on_result=None if as_json else show)
-    study = record_trials(ver)
-    done = [t for t in study.trials if t.value is not None]
-    ver["optuna"] = {"study": study.study_name, "n_trials": len(study.trials), "n_complete": len(done),
-                     "best_params": min(done, key=lambda t: t.value).params if done else None}
+                     on_result=None if as_json else show, runner=runner,
+                     megatron=megatron_options(runner, megatron_path, launcher, False, meas_dir))
+    study_obj = record_trials(ver)
+    done = [t for t in study_obj.trials if t.value is not None]
+    ver["optuna"] = {"study": study_obj.study_name, "storage": "memory", "n_trials": len(study_obj.trials),
+                     "n_complete": len(done), "best_params": min(done, key=lambda t: t.value).params if done else None}
     records = [e["run"]["record"] for e in ver["plans"] if "run" in e]
-    ver["saved"] = save_records(records, os.path.join(out, "measurements"), "verify_top") if records and not no_save else None
+    ver["saved"] = save_records(records, meas_dir, "verify_top") if records and not no_save else None
     return ver
+
+
+def _dry_run_commands(problem, top: list, megatron_path: str, launcher: str, log_dir: str) -> dict:
+    from autotune.verify_megatron import verify_megatron
+    from costmodels.plan import Plan
+    cmds = []
+    for rank, rep in enumerate(top, 1):
+        res = verify_megatron(problem, Plan.from_dict(rep["plan"]), megatron_path=megatron_path, launcher=launcher,
+                              dry_run=True, log_dir=log_dir)
+        cmds.append({"predicted_rank": rank, "plan": rep["plan"], "command": command_of(res["job"], launcher),
+                     "job": res["job"]})
+    return {"dry_run": True, "runner": "megatron", "launcher": launcher, "k": len(top), "commands": cmds}
+
+
+def _study_verification(report: dict, k: int, as_json: bool, meas_dir: str, no_save: bool, *, runner: str,
+                        megatron_path, launcher: str, storage: str, study, spec) -> dict:
+    from autotune.verify_study import (RunnerConfig, open_verification_study, run_verification_worker,
+                                       verification_summary)
+    con = _console(as_json)
+    run = RunnerConfig(runner=runner, megatron_path=megatron_path, launcher=launcher)
+    name, queued, joined = open_verification_study(spec, run, storage_url=storage, study_name=study,
+                                                   top=report["top"], k=k)
+    show = lambda e: con.print(Text(f"  trial {e['trial']} (predicted #{e.get('predicted_rank') or '-'}): "  # noqa: E731
+                                    f"{e['status']}" + (f": {e['reason']}" if e.get("reason") else "")))
+    wres = run_verification_worker(storage, name, waiting_only=True, runner=runner, megatron_path=megatron_path,
+                                   launcher=launcher, out=None if no_save else meas_dir,
+                                   on_result=None if as_json else show)
+    summ = verification_summary(storage, name)
+    platform = "gpu" if runner == "megatron" else _jax_platform()
+    reranked = platform == "gpu"
+    for e in summ["plans"]:
+        e["measured_rank"] = e.get("measured_rank") if reranked else None
+    best = summ["best"]
+    return {"k": k, "steps": summ["steps"], "platform": platform, "runner": runner, "interrupted": wres["interrupted"],
+            "reranked": reranked, "plans": summ["plans"], "saved": wres["saved"],
+            "note": ("re-ranked by measured step time (study values)" if reranked else
+                     "measured on CPU: step times are not comparable with the GPU preset, predicted order kept"),
+            "optuna": {"study": name, "storage": summ["storage"], "queued": queued, "joined": joined,
+                       "n_trials": len(summ["plans"]), "n_complete": summ["counts"]["COMPLETE"],
+                       "counts": summ["counts"], "this_process_runs": wres["runs"],
+                       "best_params": best["plan"] if best else None,
+                       "join": f"autotune worker --storage {summ['storage']} --study {name} --trials N"}}
+
+
+def _jax_platform() -> str:
+    import jax
+    return jax.default_backend()
 
 
 def print_verification(con: Console, ver: dict) -> None:
     from autotune.verify import plan_slug
     from costmodels.plan import Plan
-    t = Table(title=f"Verified top {ver['k']} ({ver['platform']}, {ver['steps']} steps each): {ver['note']}",
-              title_justify="left")
+    if ver.get("dry_run"):
+        con.print(Text(f"Dry run: the Megatron-LM commands of the top {ver['k']} plans ({ver['launcher']}):"))
+        for c in ver["commands"]:
+            con.print(Text(f"# predicted #{c['predicted_rank']}: {plan_slug(Plan.from_dict(c['plan']))}"))
+            con.print(Text(c["command"].rstrip("\n")), soft_wrap=True)
+        return
+    t = Table(title=f"Verified top {ver['k']} ({ver.get('runner', 'jax')} runner, {ver['platform']}, {ver['steps']} "
+                    f"steps each): {ver['note']}", title_justify="left")
     for col in ("predicted #", "measured #", "plan", "run", "predicted s", "measured s (run)", "predicted s (run)",
                 "mem pred GB", "mem meas GB", "status"):
         t.add_column(col, justify="left" if col in ("plan", "run", "status") else "right")
     for e in ver["plans"]:
         run = e.get("run") or {}
         mem = (run.get("comparison") or {}).get("memory_gb") or {}
-        t.add_row(str(e["predicted_rank"]), _fmt(e.get("measured_rank"), "d"), plan_slug(Plan.from_dict(e["plan"])),
-                  ("proxy" if e.get("proxy") else "full") if run else "-", _fmt(e["predicted_step_time_s"], ".4f"),
+        ran = run or e.get("measured_run_step_time_s") is not None
+        t.add_row(_fmt(e.get("predicted_rank"), "d"), _fmt(e.get("measured_rank"), "d"),
+                  plan_slug(Plan.from_dict(e["plan"])) if "tp" in e["plan"] else str(e["plan"]),
+                  ("proxy" if e.get("proxy") else "full") if ran else "-", _fmt(e.get("predicted_step_time_s"), ".4f"),
                   _fmt(e.get("measured_run_step_time_s"), ".4f"), _fmt(e.get("predicted_run_step_time_s"), ".4f"),
-                  _fmt(mem.get("predicted"), ".3f"), _fmt(mem.get("measured"), ".3f"),
+                  _fmt(e.get("memory_gb_predicted", mem.get("predicted")), ".3f"),
+                  _fmt(e.get("memory_gb_measured", mem.get("measured")), ".3f"),
                   e["status"] + (f": {e['reason']}" if e.get("reason") else ""))
     con.print(t)
+    o = ver.get("optuna") or {}
+    if o.get("storage", "memory") != "memory":
+        con.print(Text(f"Verification study {o['study']} in {o['storage']}: {o['queued']} plans queued"
+                       f"{' (joined an existing study)' if o['joined'] else ''}, this process ran {o['this_process_runs']}; "
+                       f"trials {', '.join(f'{k.lower()} {v}' for k, v in o['counts'].items() if v)}. "
+                       f"Other machines join with: {o['join']}"))
     if ver.get("saved"):
         con.print(Text(f"Measurements saved to {ver['saved']}"))
-
-
-def refuse_with_optuna(verify_top: Optional[int]) -> None:
-    if verify_top:
-        raise SpecError("verify-top", "works with the exhaustive search only; add --strategy exhaustive")

@@ -66,7 +66,8 @@ SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
                                  "--seed", "--objective", "--storage", "--study", "--batch-size",
-                                 "--sensitivity", "--no-sensitivity", "--export", "--verify-top", "--memory-headroom"},
+                                 "--sensitivity", "--no-sensitivity", "--export", "--verify-top", "--memory-headroom",
+                                 "--runner", "--megatron-path", "--launcher", "--dry-run"},
     "predict": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
     "validate": {"file", "--dataset", "--json", "--all", "--calibration"},
     "explain": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--plan"},
@@ -76,7 +77,8 @@ SURFACE = {
     "whatif": {"--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--inter-node-bw",
                "--intra-node-bw", "--gpus-per-node", "--cluster", "--memory-limit-gb", "--memory-limit", "--calibration",
                "--json"} | FRAMEWORK_OPTIONS,
-    "worker": {"--storage", "--study", "--trials", "--timeout", "--batch-size", "--seed", "--stale-after", "--json"},
+    "worker": {"--storage", "--study", "--trials", "--timeout", "--batch-size", "--seed", "--stale-after", "--json",
+               "--runner", "--megatron-path", "--launcher", "--out"},
     "studies": {"--storage", "--study", "--export", "--top", "--json"},
     "capacity": {"--model", "--tokens", "--gpu", "--deadline", "--price-per-gpu-hour", "--power-w", "--mtbf-hours",
                  "--checkpoint-s", "--restart-s", "--objective", "--min-gpus", "--max-gpus", "--global-batch",
@@ -92,7 +94,8 @@ SURFACE = {
     "gpus": {"--json"},
     "clusters": {"--json"},
     "verify": {"--model", "--plan", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--steps",
-               "--warmup", "--runner", "--proxy", "--layers", "--out", "--no-save", "--json", "--calibration"},
+               "--warmup", "--runner", "--proxy", "--layers", "--out", "--no-save", "--json", "--calibration",
+               "--megatron-path", "--launcher", "--dry-run"},
 }
 
 

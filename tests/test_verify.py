@@ -41,14 +41,16 @@ def test_proxy_needing_more_devices_than_present_is_refused():
 
 
 def test_unknown_runner_is_refused():
-    res = runner.invoke(app, ["verify", *PROBLEM, "--gpus", "1", "--plan", "tp=1", "--runner", "megatron", "--no-save"])
-    one_line_error(res, 2, "runner", "megatron")
+    res = runner.invoke(app, ["verify", *PROBLEM, "--gpus", "1", "--plan", "tp=1", "--runner", "pytorch", "--no-save"])
+    one_line_error(res, 2, "runner", "pytorch", "jax, megatron")
 
 
-def test_verify_top_refused_with_optuna():
-    res = runner.invoke(app, ["search", *PROBLEM, "--gpus", "8", "--strategy", "optuna", "--trials", "5",
+def test_verify_top_refused_for_a_gpu_range_and_its_flags_without_it():
+    res = runner.invoke(app, ["search", *PROBLEM, "--gpus", "8-16", "--strategy", "optuna", "--trials", "5",
                               "--verify-top", "2", "--no-save"])
-    one_line_error(res, 2, "verify-top", "exhaustive")
+    one_line_error(res, 2, "verify-top", "one GPU count")
+    res = runner.invoke(app, ["search", *PROBLEM, "--gpus", "8", "--runner", "megatron", "--no-save"])
+    one_line_error(res, 2, "--runner", "--verify-top")
 
 
 @pytest.fixture(scope="module")
