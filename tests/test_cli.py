@@ -372,7 +372,7 @@ def test_validate_bundled_dataset():
 def test_validate_needs_a_file_or_a_dataset(runs_file):
     assert_one_line_error(run("validate"), 2, "FILE", "--dataset")
     assert_one_line_error(run("validate", runs_file, "--dataset", "public"), 2, "FILE", "one of them")
-    assert_one_line_error(run("validate", "--dataset", "private"), 2, "dataset", "public or small-scale")
+    assert_one_line_error(run("validate", "--dataset", "private"), 2, "dataset", "public, small-scale, korthikanti22")
 
 
 def test_validate_invalid_json(tmp_path):
