@@ -135,7 +135,7 @@ def _gemm(S: Shapes, H: dict, J: dict, e: EfficiencyParams):
     eff_max = jnp.where(J["low_precision"] > 0, e.gemm_eff_max_fp8, e.gemm_eff_max)
 
     def gemm(m, n, k):
-        return gemm_s(m, n, k, J["peak_gemm"], J["gemm_bytes"], H["hbm_bw"], eff_max, e)
+        return gemm_s(m, n, k, J["peak_gemm"] * J["matmul_frac"], J["gemm_bytes"], H["hbm_bw"], eff_max, e)
     return gemm
 
 

@@ -82,8 +82,9 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
     peak = c.gpu.peak_flops(prec)
     vals = dict(
         global_batch=j.global_batch, seq_len=j.seq_len,
-        # GEMMs run against the GPU's maximum achievable matmul rate (MAMF), not the datasheet peak
-        peak_gemm=(peak * c.gpu.matmul_frac(prec)) if peak > 0 else c.gpu.peak_flops_bf16 * c.gpu.matmul_frac_bf16,
+        peak_gemm=peak if peak > 0 else c.gpu.peak_flops_bf16,     # the datasheet peak (MFU is against it)
+        # GEMMs run against the GPU's maximum achievable matmul rate (MAMF), a fraction of that peak
+        matmul_frac=c.gpu.matmul_frac(prec) if peak > 0 else c.gpu.matmul_frac_bf16,
         gemm_bytes=1.0 if prec is Precision.FP8 else (0.5 if prec is Precision.FP4 else 2.0),
         low_precision=float(prec in (Precision.FP8, Precision.FP4)),
         flash=float(j.flash_attention),
