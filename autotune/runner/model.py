@@ -107,10 +107,39 @@ def no_shard(x, kind):
     return x
 
 
-def rms_norm(x, w):
+def _rms_norm(x, w):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + RMS_EPS)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+#: RMSNorm that keeps only its input for the backward pass and recomputes the rest, as the fused
+#: norm kernels Megatron uses do (Apex FusedRMSNormAffineFunction / TE RMSNorm save the input and the
+#: per-token 1/rms); without it autodiff would also keep the fp32 upcast and the normalised product
+#: (Korthikanti et al. 2022 sec. 4.1 count the norm's input only: 2sbh per norm)
+rms_norm = jax.checkpoint(_rms_norm, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+@jax.custom_vjp
+def softmax_keep_output(x):
+    """Softmax over the last axis in fp32, returned in x's dtype; the backward pass uses only that
+    output, dx = y (dy - sum(dy y)), as Megatron's fused (scaled masked) softmax kernels do: the
+    unfused attention keeps one s x s tensor per head, the softmax output, in the activation dtype
+    (Korthikanti et al. 2022 sec. 4.1: 2as^2b bytes; the other 3as^2b of their 5as/h are dropout's)."""
+    return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+
+
+def _softmax_fwd(x):
+    y = softmax_keep_output(x)
+    return y, y
+
+
+def _softmax_bwd(y, dy):
+    y32, dy32 = y.astype(jnp.float32), dy.astype(jnp.float32)
+    return ((y32 * (dy32 - jnp.sum(dy32 * y32, axis=-1, keepdims=True))).astype(y.dtype),)
+
+
+softmax_keep_output.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 def rope(x, positions):
@@ -123,10 +152,25 @@ def rope(x, positions):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def unfused_attention(q, k, v):
+    """Causal softmax(q k^T / sqrt(d)) v with grouped KV heads, the s x s scores materialised (Megatron's
+    unfused core attention: baddbmm, masked softmax, bmm): what backward keeps is q, k, v and the
+    softmax output."""
+    b, s, a, d = q.shape
+    g = k.shape[2]
+    qg = q.reshape(b, s, g, a // g, d)
+    scores = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k) / jnp.asarray(math.sqrt(d), q.dtype)
+    causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+    probs = softmax_keep_output(jnp.where(causal, scores, jnp.asarray(-1e30, jnp.float32).astype(q.dtype)))
+    return jnp.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(b, s, a, d)
+
+
 def attention_core(q, k, v, implementation: str = "xla"):
     """Causal softmax(q k^T / sqrt(d)) v with grouped KV heads: q [b,s,a,d], k/v [b,s,g,d].
     "xla" materialises the s x s scores (unfused attention); "cudnn" is cuDNN's fused (flash)
     attention kernel, GPU only."""
+    if implementation == "xla":
+        return unfused_attention(q, k, v)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
@@ -163,8 +207,30 @@ def ring_attention_block(q, k, v, *, axis: str, axis_size: int):
     return out.reshape(b, sq, a, d).astype(q.dtype)
 
 
+#: silu(gate) * up keeping only its inputs (the fc1 outputs) for backward, as Megatron's fused
+#: bias_swiglu autograd function does; the product is kept once more as fc2's input [K22 sec. 4.1]
+@jax.custom_vjp
+def swiglu_act(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu_act(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, dy):
+    gate, up = res
+    g32, u32, dy32 = gate.astype(jnp.float32), up.astype(jnp.float32), dy.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g32)
+    d_gate = dy32 * u32 * sig * (1.0 + g32 * (1.0 - sig))          # d silu(x) / dx = s (1 + x (1 - s))
+    return d_gate.astype(gate.dtype), (dy32 * g32 * sig).astype(up.dtype)
+
+
+swiglu_act.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def swiglu(x, w_gate, w_up, w_down, shard=no_shard):
-    hid = shard(jax.nn.silu(x @ w_gate) * (x @ w_up), "ffn")
+    hid = shard(swiglu_act(x @ w_gate, x @ w_up), "ffn")
     return hid @ w_down
 
 
@@ -177,7 +243,7 @@ def route(x_tokens, router, top_k):
 
 def experts_local(buf, e_gate, e_up, e_down):
     """SwiGLU of each expert on its token buffer: buf [E, C, h] -> [E, C, h]."""
-    hid = jax.nn.silu(jnp.einsum("ech,ehf->ecf", buf, e_gate)) * jnp.einsum("ech,ehf->ecf", buf, e_up)
+    hid = swiglu_act(jnp.einsum("ech,ehf->ecf", buf, e_gate), jnp.einsum("ech,ehf->ecf", buf, e_up))
     return jnp.einsum("ecf,efh->ech", hid, e_down)
 
 

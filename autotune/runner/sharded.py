@@ -189,11 +189,15 @@ class ShardedModel:
         abstract = jax.eval_shape(lambda k: stack_for_pipeline(M.init_params(self.dm, k), self.plan),
                                   jax.random.key(0))
         z = shape.plan.zero
+        # fp32 training keeps no separate master copy: the weights are the optimizer's parameters
+        # (Megatron-LM's FP32Optimizer; its distributed optimizer shards views of the fp32 params)
+        self.separate_master = not (self.cdt == jnp.float32 and z < 3)
         self.compute_specs = param_specs(abstract, self.plan, zero=False)
         self.master_specs = param_specs(abstract, self.plan, zero=z >= 1)
         self.grad_specs = param_specs(abstract, self.plan, zero=z >= 2)
-        self.state_specs = {"master": self.master_specs, "m": self.master_specs, "v": self.master_specs,
-                            "step": P()}
+        self.state_specs = {"m": self.master_specs, "v": self.master_specs, "step": P()}
+        if self.separate_master:
+            self.state_specs["master"] = self.master_specs
         if z < 3:
             self.state_specs["params"] = self.compute_specs
         self.data_spec = P(None, BATCH, "cp")          # [micro-batches, dp*mbs, s]
@@ -313,13 +317,20 @@ class ShardedModel:
         (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), acc0), (tokens, targets))
         return loss, grads
 
+    def master_weights(self, state):
+        """The fp32 weights the optimizer updates (the compute weights themselves in fp32 training)."""
+        return state["master"] if self.separate_master else state["params"]
+
     def train_step(self, state, tokens, targets):
         weights = state["master"] if self.plan.zero >= 3 else state["params"]
         loss, grads = self.loss_and_grads(weights, tokens, targets)
         grads = self._constrain_tree(grads, self.master_specs)
         step = state["step"] + 1
-        master, mom, vel = adamw(state["master"], state["m"], state["v"], grads, step, self.shape.learning_rate)
-        new = {"master": master, "m": mom, "v": vel, "step": step}
+        master = self._constrain_tree(self.master_weights(state), self.master_specs)
+        master, mom, vel = adamw(master, state["m"], state["v"], grads, step, self.shape.learning_rate)
+        new = {"m": mom, "v": vel, "step": step}
+        if self.separate_master:
+            new["master"] = master
         if self.plan.zero < 3:
             new["params"] = self._constrain_tree(jax.tree.map(lambda w: w.astype(self.cdt), master),
                                                  self.compute_specs)
@@ -328,9 +339,10 @@ class ShardedModel:
     # -- jitted entry points -----------------------------------------------------------------------
     def _state_from(self, params: dict) -> dict:
         st = stack_for_pipeline(params, self.plan)
-        out = {"master": jax.tree.map(lambda w: w.astype(jnp.float32), st),
-               "m": jax.tree.map(jnp.zeros_like, st), "v": jax.tree.map(jnp.zeros_like, st),
-               "step": jnp.zeros((), jnp.int32)}
+        out = {"m": jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), st),
+               "v": jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), st), "step": jnp.zeros((), jnp.int32)}
+        if self.separate_master:
+            out["master"] = jax.tree.map(lambda w: w.astype(jnp.float32), st)
         if self.plan.zero < 3:
             out["params"] = jax.tree.map(lambda w: w.astype(self.cdt), st)
         return out
