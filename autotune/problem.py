@@ -43,11 +43,13 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    fp8_param_gather: bool | None = None, overlap_grad_reduce: bool | None = None,
                    overlap_param_gather: bool | None = None,
                    moe_token_dispatcher_type: str | None = None,
-                   pipeline_schedule: str | None = None) -> FrameworkSpec:
+                   pipeline_schedule: str | None = None,
+                   microbatch_grad_buffer: bool | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
-                                   overlap_param_gather=overlap_param_gather).items() if v is not None}
+                                   overlap_param_gather=overlap_param_gather,
+                                   microbatch_grad_buffer=microbatch_grad_buffer).items() if v is not None}
     if framework is not None:
         given["framework"] = Framework.parse(framework)
     if attention_backend is not None:

@@ -32,11 +32,12 @@ from .search import predict
 
 #: runners this build has; `megatron` comes with the Megatron exporter (issue 14 item 3)
 RUNNERS = ("jax",)
-_DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
+_DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16", Precision.FP32: "float32"}
 #: what the jax runner does, in Megatron's option names: no TP-communication overlap (no TE userbuffers),
-#: fp32 gradient accumulation, XLA schedules the DP collectives (not Megatron's bucketed overlap)
+#: fp32 gradient accumulation, XLA schedules the DP collectives (not Megatron's bucketed overlap), and
+#: the pipeline is GPipe (sharded.py: every micro-batch's activations live until the backward pass)
 RUN_FRAMEWORK = {"tp_comm_overlap": False, "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
-                 "overlap_param_gather": False}
+                 "overlap_param_gather": False, "pipeline_schedule": "gpipe", "microbatch_grad_buffer": True}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +146,7 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
         raise SpecError("steps", f"must be at least 1, got {steps}")
     prec = problem.job.precision
     if prec not in _DTYPES:
-        raise SpecError("precision", f"the jax runner computes in bf16 or fp16, not {prec.value}")
+        raise SpecError("precision", f"the jax runner computes in bf16, fp16 or fp32, not {prec.value}")
     devices = list(devices or jax.devices())
     choice = choose_run(problem, plan, len(devices), proxy=proxy, layers=layers)
     platform = devices[0].platform

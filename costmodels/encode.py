@@ -94,6 +94,7 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         tp_overlap=float(j.tp_comm_overlap),
         grad_bytes=j.framework.grad_bytes_per_param,
         gpipe=float(j.framework.pipeline_schedule is PipelineSchedule.GPIPE),
+        mb_grad_buffer=float(j.framework.microbatch_grad_buffer),
         fp8_param=float(j.framework.fp8_param_gather),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
     )

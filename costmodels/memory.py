@@ -155,8 +155,15 @@ def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataPa
     act_stage = n_recomputed * acts.full + (n - n_recomputed) * per_layer
     weights = wbytes * sharded(params, groups, z >= 3) + z3 * 2.0 * J["weight_bytes"] * largest_matrix
     gradients = J["grad_bytes"] * sharded(params, groups, z >= 2)
+    # a backward pass's own gradient buffer (FrameworkSpec.microbatch_grad_buffer): beside an accumulator
+    # (several micro-batches without a pipeline) or a ZeRO-2/3 shard; else it is the gradient itself
+    own_buffer = ((S.micro_batches > 1) & (S.pp == 1)) | (z >= 2)
+    gradients = gradients + J["mb_grad_buffer"] * own_buffer * J["weight_bytes"] * (params.dense + params.expert)
     optimizer = J["optimizer_bytes"] * sharded(params, groups, z >= 1)
-    activations = act_stage * in_flight_micro_batches(S, rank, J["gpipe"]) + acts.working + holds_logits * logits_bytes(S, M, J)
+    in_flight = in_flight_micro_batches(S, rank, J["gpipe"])
+    # the last rank keeps the logits of each micro-batch in flight: one with 1F1B, all m with GPipe
+    logits_in_flight = jnp.where((J["gpipe"] > 0) & (S.pp > 1), in_flight, 1.0)
+    activations = act_stage * in_flight + acts.working + holds_logits * logits_in_flight * logits_bytes(S, M, J)
     dynamic = weights + gradients + optimizer + activations + tp_buffer_bytes(S, M, J)
     total = dynamic * e.mem_fragmentation + FIXED_BYTES
     return Memory(weights, gradients, optimizer, activations, total - weights - gradients - optimizer - activations,

@@ -406,10 +406,15 @@ class FrameworkSpec:
     overlap_param_gather: bool = True     # --overlap-param-gather (distributed optimizer)
     moe_token_dispatcher_type: DispatcherType = DispatcherType.ALLTOALL   # --moe-token-dispatcher-type
     pipeline_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B    # Megatron: 1F1B; torchtitan: GPipe too
+    # A JAX/XLA trainer that scans over layers (the jax runner; MaxText's gradient accumulation) writes a
+    # backward pass's weight gradients, in the weights' dtype and unsharded, into a buffer of their own
+    # before adding them to the accumulated (or ZeRO-2/3 reduce-scattered) gradients; Megatron's gradient-
+    # accumulation fusion writes into the fp32 main gradients as they are produced (False)
+    microbatch_grad_buffer: bool = False
 
     def __post_init__(self):
         for f in ("tp_comm_overlap", "grad_reduce_in_fp32", "fp8_param_gather", "overlap_grad_reduce",
-                  "overlap_param_gather"):
+                  "overlap_param_gather", "microbatch_grad_buffer"):
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
 

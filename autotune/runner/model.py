@@ -22,6 +22,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from costmodels.specs import ModelSpec
 
@@ -302,19 +303,31 @@ def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none",
     return shard(x + y, "hidden")
 
 
+#: name of a ZeRO-3 layer's gathered weights (never kept for backward: gathered again there)
+GATHERED = "zero3_gathered_weight"
+
+
 def layers_scan(x, layer_params, positions, dm: Dims, *, shard=no_shard, recompute="none",
-                moe_dispatch=None, cast=None, attention="xla", attention_fn=None):
+                moe_dispatch=None, cast=None, attention="xla", attention_fn=None, regather: bool = False):
     """Run a stack of layers ([n, ...] leading axis) with lax.scan. `cast(p)` turns a layer's stored
     weights into compute weights (bf16 cast, and the ZeRO-3 all-gather) inside the scan, so gathered
-    weights live one layer at a time."""
-    def body(h, p):
+    weights live one layer at a time. With `regather` (ZeRO-3) the backward pass gathers them again
+    instead of keeping every layer's gathered copy (Rajbhandari et al. 2020 sec. 5.3; FSDP's
+    reshard_after_forward)."""
+    def run(h_, p_):
         if cast is not None:
-            p = cast(p)
-        fn = lambda h_, p_: layer(h_, p_, positions, dm, shard=shard,                # noqa: E731
-                                  recompute=recompute, moe_dispatch=moe_dispatch, attention=attention,
-                                  attention_fn=attention_fn)
+            p_ = cast(p_)
+            if regather:
+                p_ = {k: checkpoint_name(v, GATHERED) for k, v in p_.items()}
+        return layer(h_, p_, positions, dm, shard=shard, recompute=recompute, moe_dispatch=moe_dispatch,
+                     attention=attention, attention_fn=attention_fn)
+
+    def body(h, p):
+        fn = run
         if recompute == "full":
             fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+        elif regather:
+            fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
         return fn(h, p), None
     x, _ = jax.lax.scan(body, x, layer_params)
     return x

@@ -259,7 +259,7 @@ class ShardedModel:
         positions = jnp.arange(self.shape.seq_len)
         return partial(M.layers_scan, positions=positions, dm=self.dm, shard=self.shard,
                        recompute=self.shape.recompute, moe_dispatch=self._moe_dispatch(),
-                       cast=self._layer_cast(), attention=self.shape.attention,
+                       cast=self._layer_cast(), attention=self.shape.attention, regather=self.plan.zero >= 3,
                        attention_fn=self._ring_attention())
 
     def _outer(self, weights):
@@ -301,8 +301,11 @@ class ShardedModel:
     def loss_and_grads(self, weights, tokens, targets):
         """Mean loss over the step's micro-batches and the fp32 gradient (accumulated in the
         gradient spec: replicated over DP, or sharded with ZeRO-2/3)."""
-        if self.plan.pp > 1:
-            loss, g = jax.value_and_grad(self.pipeline_loss)(weights, tokens, targets)
+        if self.plan.pp > 1 or tokens.shape[0] == 1:
+            # one backward pass produces the step's gradient (the pipeline's, or a single micro-batch's)
+            fn = self.pipeline_loss if self.plan.pp > 1 else \
+                (lambda w, t, y: self.micro_batch_loss(w, t[0], y[0]))                   # noqa: E731
+            loss, g = jax.value_and_grad(fn)(weights, tokens, targets)
             return loss, self._constrain_tree(jax.tree.map(lambda x: x.astype(jnp.float32), g), self.grad_specs)
         m = tokens.shape[0]
         acc0 = self._constrain_tree(jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights),
