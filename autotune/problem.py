@@ -44,12 +44,14 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    overlap_param_gather: bool | None = None,
                    moe_token_dispatcher_type: str | None = None,
                    pipeline_schedule: str | None = None,
-                   microbatch_grad_buffer: bool | None = None) -> FrameworkSpec:
+                   microbatch_grad_buffer: bool | None = None,
+                   moe_expert_capacity_factor: float | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
                                    overlap_param_gather=overlap_param_gather,
-                                   microbatch_grad_buffer=microbatch_grad_buffer).items() if v is not None}
+                                   microbatch_grad_buffer=microbatch_grad_buffer,
+                                   moe_expert_capacity_factor=moe_expert_capacity_factor).items() if v is not None}
     if framework is not None:
         given["framework"] = Framework.parse(framework)
     if attention_backend is not None:

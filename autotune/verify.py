@@ -106,7 +106,11 @@ def choose_run(problem: Problem, plan: Plan, n_devices: int, *, proxy: bool = Fa
 def run_problem(problem: Problem, choice: RunChoice, attention_backend: AttentionBackend) -> Problem:
     """The problem the run solves (its layers, devices, batch, attention kernel), for the cost model."""
     from .problem import framework_spec
-    fw = framework_spec(attention_backend=attention_backend.value, **RUN_FRAMEWORK)
+    m = problem.model
+    # the runner's dropless MoE gives every expert a buffer of all T tokens (model.moe_tokens): capacity
+    # factor E / k, padded
+    cap = {"moe_expert_capacity_factor": m.num_experts / m.experts_per_token} if m.is_moe else {}
+    fw = framework_spec(attention_backend=attention_backend.value, **RUN_FRAMEWORK, **cap)
     job = dataclasses.replace(problem.job, global_batch=choice.global_batch, framework=fw)
     cluster = dataclasses.replace(problem.cluster, num_gpus=choice.num_devices, num_sites=1)
     return Problem(runner_spec(problem.model, choice.num_layers), cluster, job)

@@ -95,6 +95,7 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         grad_bytes=j.framework.grad_bytes_per_param,
         gpipe=float(j.framework.pipeline_schedule is PipelineSchedule.GPIPE),
         mb_grad_buffer=float(j.framework.microbatch_grad_buffer),
+        moe_capacity=float(j.framework.moe_expert_capacity_factor),
         fp8_param=float(j.framework.fp8_param_gather),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
     )

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from .breakdown import Memory
 from .communication import DataParallelGroups
-from .compute import Shapes
+from .compute import Shapes, moe_load
 from .params import EfficiencyParams
 from .pipeline import in_flight_micro_batches
 
@@ -98,7 +98,7 @@ def activation_bytes(S: Shapes, M: dict, J: dict, e: EfficiencyParams) -> Activa
     drop_on = (M["hidden_dropout"] > 0).astype(jnp.float32)
     scores = (1.0 - J["flash"]) * J["seq_len"] * M["heads"] * (ACT_BYTES + drop_on * (DROPOUT_MASK_BYTES + ACT_BYTES))
     fc1_out, act_out = f * (1.0 + g) * ACT_BYTES, f * q
-    k_imb = M["top_k"] * e.moe_imbalance
+    k_imb = M["top_k"] * moe_load(J, e)
     routed_in = k_imb * S.etp * h * q                              # permuted tokens: fc1 input
     routed_act = k_imb * (fe * (1.0 + g) * ACT_BYTES + fe * q)
     shared = sf * (1.0 + g) * ACT_BYTES + sf * q

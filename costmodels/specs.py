@@ -411,8 +411,14 @@ class FrameworkSpec:
     # before adding them to the accumulated (or ZeRO-2/3 reduce-scattered) gradients; Megatron's gradient-
     # accumulation fusion writes into the fp32 main gradients as they are produced (False)
     microbatch_grad_buffer: bool = False
+    # --moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity: every expert's buffer holds
+    # capacity_factor x (tokens x top-k / experts) slots, filled or not; 0 = dropless (the default)
+    moe_expert_capacity_factor: float = 0.0
 
     def __post_init__(self):
+        cf = self.moe_expert_capacity_factor
+        if not isinstance(cf, (int, float)) or isinstance(cf, bool) or not 0.0 <= cf <= 2 ** 16:
+            raise SpecError("moe_expert_capacity_factor", f"must be a number >= 0 (0 = dropless), got {cf!r}")
         for f in ("tp_comm_overlap", "grad_reduce_in_fp32", "fp8_param_gather", "overlap_grad_reduce",
                   "overlap_param_gather", "microbatch_grad_buffer"):
             if not isinstance(getattr(self, f), bool):

@@ -16,9 +16,12 @@ from __future__ import annotations
 import os
 import sys
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 DUMP = tempfile.mkdtemp(prefix="bench_runner_memory_")
+atexit.register(shutil.rmtree, DUMP, ignore_errors=True)
 # XLA writes each compiled step's buffer live ranges to DUMP; the peak of live bytes is read from there
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 --xla_dump_to={DUMP} "
                       "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_fn")
