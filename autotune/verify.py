@@ -281,7 +281,9 @@ def make_record(problem: Problem, rp: Problem, choice: RunChoice, shape, meas, f
 def run_framework(rp: Problem) -> dict:
     """The framework options the run had (api.framework_spec's names), so calibration predicts it
     as it ran: the attention kernel used, no TP-communication overlap, fp32 gradient reduction."""
-    return {"attention_backend": rp.job.framework.attention_backend.value, **RUN_FRAMEWORK}
+    fw = rp.job.framework
+    cap = {"moe_expert_capacity_factor": fw.moe_expert_capacity_factor} if fw.moe_expert_capacity_factor else {}
+    return {"attention_backend": fw.attention_backend.value, **RUN_FRAMEWORK, **cap}
 
 
 def plan_slug(p: Plan) -> str:
