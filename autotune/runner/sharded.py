@@ -10,7 +10,7 @@ token exchange, which is an explicit `shard_map` with two `all_to_all`s over "ep
   4.2.2): the residual stream is sharded over tp on the sequence between blocks.
 * DP: the batch over ("dp", "ep"); ZeRO-1 shards the fp32 master weights and Adam moments over it,
   ZeRO-2 also the accumulated gradients, ZeRO-3 keeps no full bf16 copy and gathers each layer's
-  weights inside the layer scan (Rajbhandari et al. 2020).
+  weights inside the layer scan, and again in its backward (Rajbhandari et al. 2020).
 * CP: the sequence over "cp" in cp contiguous blocks; ring attention (shard_map, K/V blocks sent
   around the ring with ppermute, online softmax). No load balancing: a rank still computes the
   fully masked blocks (Megatron's 2*cp zig-zag split would skip them).
@@ -21,8 +21,9 @@ token exchange, which is an explicit `shard_map` with two `all_to_all`s over "ep
   backward pass (GPipe's memory, not 1F1B's). Interleaved stages (vpp > 1) are refused.
 * Recompute: "selective" checkpoints the attention core, "full" whole layers (jax.checkpoint with
   nothing_saveable).
-* Gradient accumulation over micro-batches (lax.scan) without PP; AdamW (Loshchilov & Hutter 2019)
-  on fp32 master weights; compute in `compute_dtype` (bf16 by default).
+* Gradient accumulation over micro-batches (lax.scan) without PP (one backward pass when m = 1); AdamW
+  (Loshchilov & Hutter 2019) on fp32 master weights; compute in `compute_dtype` (bf16 by default; in fp32
+  the weights are the master weights, no second copy).
 """
 from __future__ import annotations
 
