@@ -26,7 +26,7 @@ import shlex
 from dataclasses import dataclass
 
 from costmodels.plan import Plan, expand_layout
-from costmodels.specs import Precision, Recompute, SpecError
+from costmodels.specs import PipelineSchedule, Precision, Recompute, SpecError
 from search_spaces.space import Problem, check_plan
 
 TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed")
@@ -73,6 +73,7 @@ _MEGATRON_PRECISION = {
     Precision.FP16: ["--fp16"],
     Precision.FP8: ["--bf16", "--fp8-format", "hybrid"],     # e4m3 forward, e5m2 gradients
     Precision.FP4: ["--bf16", "--fp4-format", "e2m1"],       # NVFP4 (TransformerConfig.fp4)
+    Precision.FP32: [],                                       # fp32 is Megatron-LM's default (no --bf16/--fp16)
 }
 
 
@@ -126,6 +127,9 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     Megatron-FSDP = zero 3)."""
     check_plan(plan, problem)
     fw = problem.job.framework
+    if plan.pp > 1 and fw.pipeline_schedule is PipelineSchedule.GPIPE:
+        raise ExportRefused(target, "pipeline_schedule=gpipe", "Megatron-Core schedules pipelines with 1F1B "
+                            "(interleaved when vpp > 1); it has no GPipe schedule")
     if plan.zero == 2:
         raise ExportRefused(target, "zero=2", "ZeRO-2 exists only in DeepSpeed; Megatron has the distributed "
                             "optimizer (zero=1) and Megatron-FSDP (zero=3)")
@@ -366,6 +370,12 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     recipes (the mapping of docs/megatron-lm-to-megatron-bridge.md)."""
     check_plan(plan, problem)
     fw, job = problem.job.framework, problem.job
+    if job.precision not in _BRIDGE_PRECISION:
+        raise ExportRefused("bridge", f"precision={job.precision.value}", "Megatron-Bridge's recipes are mixed "
+                            "precision (bf16, fp16, fp8, fp4)")
+    if plan.pp > 1 and fw.pipeline_schedule is PipelineSchedule.GPIPE:
+        raise ExportRefused("bridge", "pipeline_schedule=gpipe", "Megatron-Core schedules pipelines with 1F1B "
+                            "(interleaved when vpp > 1); it has no GPipe schedule")
     if plan.zero == 2:
         raise ExportRefused("bridge", "zero=2", "ZeRO-2 exists only in DeepSpeed; Megatron-Bridge has the "
                             "distributed optimizer (zero=1) and Megatron-FSDP (zero=3)")
@@ -495,9 +505,9 @@ def torchtitan_config(plan: Plan, problem: Problem) -> dict:
         raise ExportRefused(t, f"ep={plan.ep}", f"torchtitan takes expert ranks from dp_shard*cp*tp = "
                             f"{shard * plan.cp * plan.tp} (FSDP-sharded ranks, not replicas), which ep*etp = "
                             f"{plan.ep * plan.etp} must divide; use zero=3")
-    if problem.job.precision in (Precision.FP16, Precision.FP4):
+    if problem.job.precision in (Precision.FP16, Precision.FP4, Precision.FP32):
         raise ExportRefused(t, f"precision={problem.job.precision.value}", "torchtitan trains in bf16 mixed "
-                            "precision (fp8 through its float8 converter); fp16 and fp4 are not offered")
+                            "precision (fp8 through its float8 converter); fp16, fp4 and fp32 are not offered here")
     m = _microbatches(plan, problem)
     par = {"data_parallel_replicate_degree": plan.dp if plan.zero == 0 else 1,
            "data_parallel_shard_degree": plan.dp if plan.zero == 3 else 1,
@@ -507,7 +517,8 @@ def torchtitan_config(plan: Plan, problem: Problem) -> dict:
         par["expert_parallel_degree"] = plan.ep
         par["expert_tensor_parallel_degree"] = plan.etp
     if plan.pp > 1:
-        par["pipeline_parallel_schedule"] = "Interleaved1F1B" if plan.vpp > 1 else "1F1B"
+        gpipe = problem.job.framework.pipeline_schedule is PipelineSchedule.GPIPE
+        par["pipeline_parallel_schedule"] = "Interleaved1F1B" if plan.vpp > 1 else ("GPipe" if gpipe else "1F1B")
         par["pipeline_parallel_microbatch_size"] = plan.mbs
         par["module_fqns_per_model_part"] = _titan_fqns(plan, problem)
     training = {"global_batch_size": problem.job.global_batch,
@@ -564,7 +575,7 @@ def maxtext_config(plan: Plan, problem: Problem) -> dict:
                             "first/last stages, account_for_* and layouts cannot be expressed")
     if plan.etp != 1:
         raise ExportRefused(t, f"etp={plan.etp}", "MaxText has no separate expert tensor parallelism")
-    if problem.job.precision in (Precision.FP16, Precision.FP4):
+    if problem.job.precision in (Precision.FP16, Precision.FP4, Precision.FP32):
         raise ExportRefused(t, f"precision={problem.job.precision.value}", "MaxText offers bfloat16 and fp8 "
                             "quantization here; fp16 and fp4 are not expressed")
     if plan.recompute_layers:

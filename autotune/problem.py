@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from costmodels.plan import Plan, parse_plan_text
 from costmodels.presets import build_cluster, load_model
-from costmodels.specs import (AttentionBackend, DispatcherType, Framework, FrameworkSpec, JobSpec, Precision,
-                              SpecError)
+from costmodels.specs import (AttentionBackend, DispatcherType, Framework, FrameworkSpec, JobSpec, PipelineSchedule,
+                              Precision, SpecError)
 from search_spaces.space import Problem, check_plan, complete_plan
 
 #: default tokens per optimizer step when --global-batch is omitted (Llama 3 / GPT-3 scale: ~4M)
@@ -42,17 +42,24 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    tp_comm_overlap: bool | None = None, grad_reduce_in_fp32: bool | None = None,
                    fp8_param_gather: bool | None = None, overlap_grad_reduce: bool | None = None,
                    overlap_param_gather: bool | None = None,
-                   moe_token_dispatcher_type: str | None = None) -> FrameworkSpec:
+                   moe_token_dispatcher_type: str | None = None,
+                   pipeline_schedule: str | None = None,
+                   microbatch_grad_buffer: bool | None = None,
+                   moe_expert_capacity_factor: float | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
-                                   overlap_param_gather=overlap_param_gather).items() if v is not None}
+                                   overlap_param_gather=overlap_param_gather,
+                                   microbatch_grad_buffer=microbatch_grad_buffer,
+                                   moe_expert_capacity_factor=moe_expert_capacity_factor).items() if v is not None}
     if framework is not None:
         given["framework"] = Framework.parse(framework)
     if attention_backend is not None:
         given["attention_backend"] = AttentionBackend.parse(attention_backend)
     if moe_token_dispatcher_type is not None:
         given["moe_token_dispatcher_type"] = DispatcherType.parse(moe_token_dispatcher_type)
+    if pipeline_schedule is not None:
+        given["pipeline_schedule"] = PipelineSchedule.parse(pipeline_schedule)
     return FrameworkSpec(**given)
 
 

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 from costmodels.plan import DEFAULT_RECOMPUTE_MODULES, Plan
 from costmodels.specs import (AttentionBackend, ClusterSpec, DispatcherType, Framework, FrameworkSpec, GPUSpec,
-                              JobSpec, ModelSpec, Precision, Recompute, SpecError)
+                              JobSpec, ModelSpec, PipelineSchedule, Precision, Recompute, SpecError)
 from search_spaces.space import Problem
 
 from .files import read_json
@@ -32,6 +32,8 @@ def _framework(job: dict) -> FrameworkSpec:
         v["attention_backend"] = AttentionBackend.parse(v["attention_backend"])
     if "moe_token_dispatcher_type" in v:
         v["moe_token_dispatcher_type"] = DispatcherType.parse(v["moe_token_dispatcher_type"])
+    if "pipeline_schedule" in v:
+        v["pipeline_schedule"] = PipelineSchedule.parse(v["pipeline_schedule"])
     return FrameworkSpec(**v)
 
 def problem_from_report(report: dict, source: str = "report") -> Problem:

@@ -33,11 +33,12 @@ from .search import predict
 #: runners this build has: the built-in JAX transformer, and Megatron-LM through the exporter
 #: (`autotune.verify_megatron`: a checkout and torchrun or SLURM)
 RUNNERS = ("jax", "megatron")
-_DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
+_DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16", Precision.FP32: "float32"}
 #: what the jax runner does, in Megatron's option names: no TP-communication overlap (no TE userbuffers),
-#: fp32 gradient accumulation, XLA schedules the DP collectives (not Megatron's bucketed overlap)
+#: fp32 gradient accumulation, XLA schedules the DP collectives (not Megatron's bucketed overlap), and
+#: the pipeline is GPipe (sharded.py: every micro-batch's activations live until the backward pass)
 RUN_FRAMEWORK = {"tp_comm_overlap": False, "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
-                 "overlap_param_gather": False}
+                 "overlap_param_gather": False, "pipeline_schedule": "gpipe", "microbatch_grad_buffer": True}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +107,11 @@ def choose_run(problem: Problem, plan: Plan, n_devices: int, *, proxy: bool = Fa
 def run_problem(problem: Problem, choice: RunChoice, attention_backend: AttentionBackend) -> Problem:
     """The problem the run solves (its layers, devices, batch, attention kernel), for the cost model."""
     from .problem import framework_spec
-    fw = framework_spec(attention_backend=attention_backend.value, **RUN_FRAMEWORK)
+    m = problem.model
+    # the runner's dropless MoE gives every expert a buffer of all T tokens (model.moe_tokens): capacity
+    # factor E / k, padded
+    cap = {"moe_expert_capacity_factor": m.num_experts / m.experts_per_token} if m.is_moe else {}
+    fw = framework_spec(attention_backend=attention_backend.value, **RUN_FRAMEWORK, **cap)
     job = dataclasses.replace(problem.job, global_batch=choice.global_batch, framework=fw)
     cluster = dataclasses.replace(problem.cluster, num_gpus=choice.num_devices, num_sites=1)
     return Problem(runner_spec(problem.model, choice.num_layers), cluster, job)
@@ -150,7 +155,7 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
         raise SpecError("steps", f"must be at least 1, got {steps}")
     prec = problem.job.precision
     if prec not in _DTYPES:
-        raise SpecError("precision", f"the jax runner computes in bf16 or fp16, not {prec.value}")
+        raise SpecError("precision", f"the jax runner computes in bf16, fp16 or fp32, not {prec.value}")
     devices = list(devices or jax.devices())
     choice = choose_run(problem, plan, len(devices), proxy=proxy, layers=layers)
     platform = devices[0].platform
@@ -281,7 +286,9 @@ def make_record(problem: Problem, rp: Problem, choice: RunChoice, shape, meas, f
 def run_framework(rp: Problem) -> dict:
     """The framework options the run had (api.framework_spec's names), so calibration predicts it
     as it ran: the attention kernel used, no TP-communication overlap, fp32 gradient reduction."""
-    return {"attention_backend": rp.job.framework.attention_backend.value, **RUN_FRAMEWORK}
+    fw = rp.job.framework
+    cap = {"moe_expert_capacity_factor": fw.moe_expert_capacity_factor} if fw.moe_expert_capacity_factor else {}
+    return {"attention_backend": fw.attention_backend.value, **RUN_FRAMEWORK, **cap}
 
 
 def plan_slug(p: Plan) -> str:

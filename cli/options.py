@@ -10,7 +10,7 @@ GpuOpt = Annotated[Optional[str], typer.Option("--gpu", help="GPU preset (a100-8
 GpusOpt = Annotated[Optional[int], typer.Option("--gpus", help="Number of GPUs.")]
 GlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="Global batch in sequences.")]
 SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Sequence length in tokens.")]
-PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16, fp16, fp8 or fp4.")]
+PrecisionOpt = Annotated[str, typer.Option("--precision", help="bf16, fp16, fp8, fp4 or fp32 (no mixed precision).")]
 GpusPerNodeOpt = Annotated[Optional[int], typer.Option("--gpus-per-node", help="GPUs per NVLink domain.")]
 IntraBwOpt = Annotated[Optional[float], typer.Option("--intra-node-bw", help="Intra-node GB/s per GPU per direction.")]
 InterBwOpt = Annotated[Optional[float], typer.Option("--inter-node-bw", help="Inter-node GB/s per GPU per direction.")]

@@ -47,7 +47,7 @@ class LayerComm(NamedTuple):
 
 def layer_comm(S: Shapes, w: LayerWork, M: dict, H: dict, J: dict, e: EfficiencyParams) -> LayerComm:
     link, lat, h = _links(e), e.collective_latency_s, M["hidden"]
-    act_bytes = S.tokens * h * ACT_BYTES
+    act_bytes = S.tokens * h * J["act_bytes"]
     # TP [N21 sec 2.3, K22 sec 4.2.2]: 2 all-reduces per layer forward, or with SP 2 all-gathers +
     # 2 reduce-scatters of the same volume; MoE layers keep only the attention block's pair. With
     # SP and TE userbuffers (--tp-comm-overlap) the collectives run in chunks under the
@@ -59,13 +59,13 @@ def layer_comm(S: Shapes, w: LayerWork, M: dict, H: dict, J: dict, e: Efficiency
         return t_comm - can_overlap * jnp.minimum(e.tp_comm_overlap * t_comm, t_gemm)
 
     tp_dense = exposed(2.0 * tp_pair, w.attn_proj + w.mlp_dense)
-    etp_bytes = S.routed_tokens * S.etp * h * ACT_BYTES
+    etp_bytes = S.routed_tokens * S.etp * h * J["act_bytes"]
     t_etp = 2.0 * C.reduce_scatter_s(etp_bytes, S.etp, 1.0, H, link, lat)
     # shared experts are column/row-parallel over TP like a dense MLP: their own AG + RS pair
     has_shared = (M["shared_ffn"] > 0).astype(jnp.float32)
     tp_moe = exposed(tp_pair * (1.0 + has_shared) + t_etp, w.attn_proj + w.mlp_moe)
     # CP ring attention [RA]: cp-1 exchanges of this rank's K,V block, hidden under attention
-    kv_bytes = S.tokens * M["kv_exchange_elems"] / jnp.minimum(S.tp, M["kv_heads"]) * ACT_BYTES
+    kv_bytes = S.tokens * M["kv_exchange_elems"] / jnp.minimum(S.tp, M["kv_heads"]) * J["act_bytes"]
     # each step every rank sends its block to the next: a hop between nodes goes over one NIC
     # (not the group's aggregate), so the ring runs at its slowest hop (a point-to-point)
     cp_raw = jnp.where(S.cp > 1, (S.cp - 1.0) * C.p2p_s(kv_bytes, S.tp, S.cp, H, link), 0.0)
@@ -73,7 +73,7 @@ def layer_comm(S: Shapes, w: LayerWork, M: dict, H: dict, J: dict, e: Efficiency
     cp_bwd = jnp.maximum(2.0 * cp_raw - e.cp_overlap * e.attn_bwd_ratio * w.attn_core,
                          (1.0 - e.cp_overlap) * 2.0 * cp_raw)
     # EP [GS]: dispatch + combine all-to-all per MoE layer forward (and the same backward)
-    a2a_bytes = S.routed_tokens * h * ACT_BYTES
+    a2a_bytes = S.routed_tokens * h * J["act_bytes"]
     ep_fwd = 2.0 * C.all_to_all_s(a2a_bytes, S.ep, S.etp, H, link, lat) * (1.0 - e.ep_overlap) * S.is_moe
     return LayerComm(tp_pair, tp_dense, tp_moe, cp_fwd, cp_bwd, ep_fwd)
 

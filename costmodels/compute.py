@@ -43,6 +43,13 @@ KERNELS_PER_LAYER = 14.0
 ACT_BYTES = 2.0
 
 
+def moe_load(J: dict, e: EfficiencyParams):
+    """Routed token copies per token and expert choice on the busiest rank: the routing imbalance when
+    dropless; with experts padded to capacity (Megatron --moe-expert-capacity-factor F
+    --moe-pad-expert-input-to-capacity) every expert computes F x its mean share, filled or not."""
+    return jnp.where(J["moe_capacity"] > 0, J["moe_capacity"], e.moe_imbalance)
+
+
 def saturate(x, half):
     """Saturating efficiency x/(x+half): 0 for tiny dims, -> 1 for large ones."""
     return x / (x + half)
@@ -105,7 +112,7 @@ class Shapes(NamedTuple):
 def shapes(P: dict, M: dict, J: dict, e: EfficiencyParams) -> Shapes:
     tp, dp, cp, ep, etp, b = P["tp"], P["dp"], P["cp"], P["ep"], P["etp"], P["mbs"]
     T = b * J["seq_len"] / cp
-    routed = T / tp * M["top_k"] * e.moe_imbalance
+    routed = T / tp * M["top_k"] * moe_load(J, e)
     return Shapes(
         tp=tp, pp=P["pp"], dp=dp, cp=cp, ep=ep, etp=etp, vpp=P["vpp"], mbs=b, sp=P["sp"], zero=P["zero"],
         rec_sel=(P["recompute"] == 1).astype(jnp.float32), rec_full=(P["recompute"] == 2).astype(jnp.float32),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .specs import ClusterSpec, JobSpec, ModelSpec, Precision
+from .specs import ClusterSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
 
 
 def encode_model(m: ModelSpec) -> dict:
@@ -85,11 +85,20 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         peak_gemm=peak if peak > 0 else c.gpu.peak_flops_bf16,     # the datasheet peak (MFU is against it)
         # GEMMs run against the GPU's maximum achievable matmul rate (MAMF), a fraction of that peak
         matmul_frac=c.gpu.matmul_frac(prec) if peak > 0 else c.gpu.matmul_frac_bf16,
-        gemm_bytes=1.0 if prec is Precision.FP8 else (0.5 if prec is Precision.FP4 else 2.0),
+        gemm_bytes={Precision.FP8: 1.0, Precision.FP4: 0.5, Precision.FP32: 4.0}.get(prec, 2.0),
+        # activations and weights in fp32 without mixed precision, else bf16 / fp16
+        act_bytes=4.0 if prec is Precision.FP32 else 2.0,
+        weight_bytes=4.0 if prec is Precision.FP32 else 2.0,
+        # Adam state per parameter: fp32 master + momentum + variance (12) under mixed precision; in fp32
+        # training the weights are the master, only momentum + variance (8) (Megatron FP32Optimizer)
+        optimizer_bytes=8.0 if prec is Precision.FP32 else 12.0,
         low_precision=float(prec in (Precision.FP8, Precision.FP4)),
         flash=float(j.flash_attention),
         tp_overlap=float(j.tp_comm_overlap),
         grad_bytes=j.framework.grad_bytes_per_param,
+        gpipe=float(j.framework.pipeline_schedule is PipelineSchedule.GPIPE),
+        mb_grad_buffer=float(j.framework.microbatch_grad_buffer),
+        moe_capacity=float(j.framework.moe_expert_capacity_factor),
         fp8_param=float(j.framework.fp8_param_gather),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
     )

@@ -20,14 +20,12 @@ import jax.numpy as jnp
 
 from .breakdown import Memory
 from .communication import DataParallelGroups
-from .compute import ACT_BYTES, Shapes
+from .compute import Shapes, moe_load
 from .params import EfficiencyParams
 from .pipeline import in_flight_micro_batches
 
-#: fp32 master weights + Adam momentum + variance per parameter [Z20]
-OPTIMIZER_STATE_BYTES = 12.0
-#: bf16 weights
-WEIGHT_BYTES = 2.0
+# optimizer state (12 bytes per parameter [Z20], 8 in fp32 training), weight (2, 4 in fp32) and activation
+# bytes per element (2, 4 in fp32) come with the job: costmodels.encode.encode_job
 #: HBM bytes the Adam step moves per local parameter: fp32 master, momentum, variance read and
 #: written (24), the fp32 gradient read (4), the bf16 weight written (2) [Z20]
 OPTIMIZER_STEP_BYTES = 30.0
@@ -81,6 +79,7 @@ def activation_bytes(S: Shapes, M: dict, J: dict, e: EfficiencyParams) -> Activa
     moe_act the experts' activation output, moe the whole MoE block, shared_experts their
     activations, mla_up_proj MLA's up-projected q, k, v."""
     T, tp, h = S.tokens, S.tp, M["hidden"]
+    ACT_BYTES = J["act_bytes"]                                     # 2 (bf16 / fp16), 4 in fp32 training
     g, f, fe, sf = M["gated"], M["ffn"], M["expert_ffn"], M["shared_ffn"]
     fm, r, q = S.frac_moe, S.rec_mod, J["gemm_bytes"]
     lowp = J["low_precision"]
@@ -93,9 +92,13 @@ def activation_bytes(S: Shapes, M: dict, J: dict, e: EfficiencyParams) -> Activa
     # TP-sharded per token
     qkv = M["attn_act_sharded"] * ACT_BYTES
     attn_out = M["heads"] * M["v_head_dim"] * (ACT_BYTES + lowp * q)
-    scores = (1.0 - J["flash"]) * 5.0 * J["seq_len"] * M["heads"]  # [K22] 5as/h per token (bytes)
+    # unfused attention's s x s tensors per token [K22 sec. 4.1]: the softmax output (2as bytes in bf16),
+    # and with dropout its mask (as) and output (2as): 5as with dropout, 2as without (Llama-style
+    # recipes; Megatron's --attention-dropout is taken to follow the model's dropout)
+    drop_on = (M["hidden_dropout"] > 0).astype(jnp.float32)
+    scores = (1.0 - J["flash"]) * J["seq_len"] * M["heads"] * (ACT_BYTES + drop_on * (DROPOUT_MASK_BYTES + ACT_BYTES))
     fc1_out, act_out = f * (1.0 + g) * ACT_BYTES, f * q
-    k_imb = M["top_k"] * e.moe_imbalance
+    k_imb = M["top_k"] * moe_load(J, e)
     routed_in = k_imb * S.etp * h * q                              # permuted tokens: fc1 input
     routed_act = k_imb * (fe * (1.0 + g) * ACT_BYTES + fe * q)
     shared = sf * (1.0 + g) * ACT_BYTES + sf * q
@@ -115,8 +118,9 @@ def activation_bytes(S: Shapes, M: dict, J: dict, e: EfficiencyParams) -> Activa
     return ActivationBytes(none, selective, full, S.rec_full * none)
 
 
-#: bytes per logit kept for the loss: bf16 logits + the fp32 copy of the cross-entropy [MG]
-LOGITS_BYTES_PER_ELEM = 6.0
+#: bytes per logit of the fp32 copy the cross-entropy computes in (Megatron's vocab-parallel cross
+#: entropy casts the logits to fp32 and keeps the softmax, computed in place, for backward) [MG]
+LOGITS_FP32_BYTES = 4.0
 #: Transformer Engine's cached fp8 / fp4 copy of each weight (beside the bf16 primary weight)
 LOW_PRECISION_WEIGHT_COPY_BYTES = 1.0
 #: fp8 primary weights (--fp8-param-gather): the bf16 weight is replaced by its fp8 form
@@ -125,14 +129,16 @@ FP8_PRIMARY_WEIGHT_BYTES = 1.0
 FIXED_BYTES = 3.0e9
 
 
-def logits_bytes(S: Shapes, M: dict):
-    """Logits kept for the loss on the last rank: bf16 logits + fp32 copy."""
-    return S.tokens * M["vocab"] / S.tp * LOGITS_BYTES_PER_ELEM
+def logits_bytes(S: Shapes, M: dict, J: dict):
+    """Logits kept for the loss on the last rank: bf16 logits + fp32 copy (6 bytes per element); in
+    fp32 training the GEMM's output is already fp32 and no copy is made (4)."""
+    per_elem = jnp.where(J["act_bytes"] >= LOGITS_FP32_BYTES, 0.0, J["act_bytes"]) + LOGITS_FP32_BYTES
+    return S.tokens * M["vocab"] / S.tp * per_elem
 
 
-def tp_buffer_bytes(S: Shapes, M: dict):
+def tp_buffer_bytes(S: Shapes, M: dict, J: dict):
     """Gathered SP / TP communication buffers."""
-    return jnp.where(S.tp > 1, 2.0 * S.tokens * M["hidden"] * ACT_BYTES, 0.0)
+    return jnp.where(S.tp > 1, 2.0 * S.tokens * M["hidden"] * J["act_bytes"], 0.0)
 
 
 def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataParallelGroups,
@@ -140,18 +146,25 @@ def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataPa
     """Memory of pipeline rank `rank` holding n layers (n_recomputed of them fully recomputed)."""
     z = S.zero
     z3 = (z == 3).astype(jnp.float32)
-    primary = jnp.where(J["fp8_param"] * J["low_precision"] > 0, FP8_PRIMARY_WEIGHT_BYTES, WEIGHT_BYTES)
+    primary = jnp.where(J["fp8_param"] * J["low_precision"] > 0, FP8_PRIMARY_WEIGHT_BYTES, J["weight_bytes"])
     wbytes = primary + J["low_precision"] * LOW_PRECISION_WEIGHT_COPY_BYTES
     # ZeRO-3 gathers one weight matrix at a time and prefetches the next: two of the largest live
     h, g = M["hidden"], M["gated"]
     largest_matrix = jnp.maximum(jnp.maximum(M["ffn"], M["q_up_n"]) * h, M["expert_ffn"] * h * (1.0 + g)) / S.tp
     per_layer = jnp.where(S.rec_sel > 0, acts.selective, acts.none)
     act_stage = n_recomputed * acts.full + (n - n_recomputed) * per_layer
-    weights = wbytes * sharded(params, groups, z >= 3) + z3 * 2.0 * WEIGHT_BYTES * largest_matrix
+    weights = wbytes * sharded(params, groups, z >= 3) + z3 * 2.0 * J["weight_bytes"] * largest_matrix
     gradients = J["grad_bytes"] * sharded(params, groups, z >= 2)
-    optimizer = OPTIMIZER_STATE_BYTES * sharded(params, groups, z >= 1)
-    activations = act_stage * in_flight_micro_batches(S, rank) + acts.working + holds_logits * logits_bytes(S, M)
-    dynamic = weights + gradients + optimizer + activations + tp_buffer_bytes(S, M)
+    # a backward pass's own gradient buffer (FrameworkSpec.microbatch_grad_buffer): beside an accumulator
+    # (several micro-batches without a pipeline) or a ZeRO-2/3 shard; else it is the gradient itself
+    own_buffer = ((S.micro_batches > 1) & (S.pp == 1)) | (z >= 2)
+    gradients = gradients + J["mb_grad_buffer"] * own_buffer * J["weight_bytes"] * (params.dense + params.expert)
+    optimizer = J["optimizer_bytes"] * sharded(params, groups, z >= 1)
+    in_flight = in_flight_micro_batches(S, rank, J["gpipe"])
+    # the last rank keeps the logits of each micro-batch in flight: one with 1F1B, all m with GPipe
+    logits_in_flight = jnp.where((J["gpipe"] > 0) & (S.pp > 1), in_flight, 1.0)
+    activations = act_stage * in_flight + acts.working + holds_logits * logits_in_flight * logits_bytes(S, M, J)
+    dynamic = weights + gradients + optimizer + activations + tp_buffer_bytes(S, M, J)
     total = dynamic * e.mem_fragmentation + FIXED_BYTES
     return Memory(weights, gradients, optimizer, activations, total - weights - gradients - optimizer - activations,
                   total)

@@ -26,6 +26,7 @@ class Precision(enum.Enum):
     FP16 = "fp16"
     FP8 = "fp8"
     FP4 = "fp4"
+    FP32 = "fp32"       # no mixed precision: fp32 weights, gradients and activations (Megatron without --bf16/--fp16)
 
     @classmethod
     def parse(cls, text: str, field_name: str = "precision") -> "Precision":
@@ -276,7 +277,7 @@ class GPUSpec:
                 raise SpecError(f, f"must be a fraction of the peak in [0.1, 1], got {v!r}")
 
     def matmul_frac(self, precision: Precision) -> float:
-        """MAMF / dense peak for GEMMs in this precision."""
+        """MAMF / dense peak for GEMMs in this precision (bf16, fp16 and TF32 take the bf16 measurement)."""
         if precision is Precision.FP8:
             return self.matmul_frac_fp8
         if precision is Precision.FP4:
@@ -292,6 +293,10 @@ class GPUSpec:
             return self.peak_flops_fp8
         if precision is Precision.FP4:
             return self.peak_flops_fp4
+        if precision is Precision.FP32:
+            # fp32 GEMMs run on the tensor cores as TF32, half the dense bf16 rate on Ampere, Hopper and
+            # Blackwell (A100 datasheet: 156 vs 312 TFLOP/s; H100 SXM: 494.7 vs 989.4; B200: 1.1 vs 2.2 PFLOP/s)
+            return self.peak_flops_bf16 / 2.0
         return self.peak_flops_bf16
 
 
@@ -377,6 +382,20 @@ class DispatcherType(enum.Enum):
         return _parse_enum(cls, text, field_name)
 
 
+class PipelineSchedule(enum.Enum):
+    """The pipeline schedule. `1f1b`: Megatron-Core's (interleaved) one-forward-one-backward, a stage
+    holds at most pp - rank micro-batches' activations (Narayanan et al. 2021 sec. 2.2). `gpipe`:
+    all forwards, then all backwards (Huang et al. 2019; torchtitan --parallelism.pipeline_parallel_schedule
+    GPipe, DeepSpeed's PipelineModule without 1F1B): every micro-batch of the step is in flight at the
+    end of the forwards. Both have the same bubble, (p - 1) / m of the ideal step."""
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "pipeline_schedule") -> "PipelineSchedule":
+        return _parse_enum(cls, text, field_name)
+
+
 def _parse_enum(cls, text, field_name: str):
     t = str(text).strip().lower().replace("_", "-")
     for member in cls:
@@ -404,10 +423,22 @@ class FrameworkSpec:
     overlap_grad_reduce: bool = True      # --overlap-grad-reduce (recipes' setting; Megatron default off)
     overlap_param_gather: bool = True     # --overlap-param-gather (distributed optimizer)
     moe_token_dispatcher_type: DispatcherType = DispatcherType.ALLTOALL   # --moe-token-dispatcher-type
+    pipeline_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B    # Megatron: 1F1B; torchtitan: GPipe too
+    # A JAX/XLA trainer that scans over layers (the jax runner; MaxText's gradient accumulation) writes a
+    # backward pass's weight gradients, in the weights' dtype and unsharded, into a buffer of their own
+    # before adding them to the accumulated (or ZeRO-2/3 reduce-scattered) gradients; Megatron's gradient-
+    # accumulation fusion writes into the fp32 main gradients as they are produced (False)
+    microbatch_grad_buffer: bool = False
+    # --moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity: every expert's buffer holds
+    # capacity_factor x (tokens x top-k / experts) slots, filled or not; 0 = dropless (the default)
+    moe_expert_capacity_factor: float = 0.0
 
     def __post_init__(self):
+        cf = self.moe_expert_capacity_factor
+        if not isinstance(cf, (int, float)) or isinstance(cf, bool) or not 0.0 <= cf <= 2 ** 16:
+            raise SpecError("moe_expert_capacity_factor", f"must be a number >= 0 (0 = dropless), got {cf!r}")
         for f in ("tp_comm_overlap", "grad_reduce_in_fp32", "fp8_param_gather", "overlap_grad_reduce",
-                  "overlap_param_gather"):
+                  "overlap_param_gather", "microbatch_grad_buffer"):
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
 

@@ -10,6 +10,9 @@ attention scores and values + 2 h V for the head) (also Chowdhery et al. 2022 ap
 """
 from __future__ import annotations
 
+import glob
+import os
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -66,6 +69,23 @@ def xla_memory_analysis(compiled) -> dict | None:
            for k in ("argument_size", "output_size", "alias_size", "temp_size", "generated_code_size")}
     out["peak"] = out["argument_size"] + out["output_size"] - out["alias_size"] + out["temp_size"]
     return out
+
+
+#: the line of XLA's live-range dump (--xla_dump_to, *-live-range.txt) that totals the buffers live at the
+#: program's peak: parameters, outputs and temporaries, before they are packed into one block
+_LIVE_PEAK_LINE = re.compile(r"Stack trace breakdown for peak usage:\s*([0-9 ,]+)\s*bytes")
+
+
+def live_peak_bytes(dump_dir: str, module: str = "jit_fn") -> float | None:
+    """The most bytes live at once in the newest compiled `module` dumped to `dump_dir` (XLA_FLAGS
+    --xla_dump_to=DIR --xla_dump_hlo_as_text): what the program needs before XLA's heap simulator
+    packs the temporaries into one block of temp_size (that block is larger by the packing's gaps)."""
+    files = glob.glob(os.path.join(dump_dir, f"*.{module}.*live-range.txt"))
+    if not files:
+        return None
+    with open(max(files, key=os.path.getmtime), encoding="utf-8") as fh:
+        m = _LIVE_PEAK_LINE.search(fh.read())
+    return float(re.sub(r"[ ,]", "", m.group(1))) if m else None
 
 
 def compiled_memory(shape: RunShape, devices) -> dict | None:

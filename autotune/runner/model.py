@@ -22,6 +22,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from costmodels.specs import ModelSpec
 
@@ -107,10 +108,39 @@ def no_shard(x, kind):
     return x
 
 
-def rms_norm(x, w):
+def _rms_norm(x, w):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + RMS_EPS)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+#: RMSNorm that keeps only its input for the backward pass and recomputes the rest, as the fused
+#: norm kernels Megatron uses do (Apex FusedRMSNormAffineFunction / TE RMSNorm save the input and the
+#: per-token 1/rms); without it autodiff would also keep the fp32 upcast and the normalised product
+#: (Korthikanti et al. 2022 sec. 4.1 count the norm's input only: 2sbh per norm)
+rms_norm = jax.checkpoint(_rms_norm, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+@jax.custom_vjp
+def softmax_keep_output(x):
+    """Softmax over the last axis in fp32, returned in x's dtype; the backward pass uses only that
+    output, dx = y (dy - sum(dy y)), as Megatron's fused (scaled masked) softmax kernels do: the
+    unfused attention keeps one s x s tensor per head, the softmax output, in the activation dtype
+    (Korthikanti et al. 2022 sec. 4.1: 2as^2b bytes; the other 3as^2b of their 5as/h are dropout's)."""
+    return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+
+
+def _softmax_fwd(x):
+    y = softmax_keep_output(x)
+    return y, y
+
+
+def _softmax_bwd(y, dy):
+    y32, dy32 = y.astype(jnp.float32), dy.astype(jnp.float32)
+    return ((y32 * (dy32 - jnp.sum(dy32 * y32, axis=-1, keepdims=True))).astype(y.dtype),)
+
+
+softmax_keep_output.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 def rope(x, positions):
@@ -123,10 +153,25 @@ def rope(x, positions):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def unfused_attention(q, k, v):
+    """Causal softmax(q k^T / sqrt(d)) v with grouped KV heads, the s x s scores materialised (Megatron's
+    unfused core attention: baddbmm, masked softmax, bmm): what backward keeps is q, k, v and the
+    softmax output."""
+    b, s, a, d = q.shape
+    g = k.shape[2]
+    qg = q.reshape(b, s, g, a // g, d)
+    scores = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k) / jnp.asarray(math.sqrt(d), q.dtype)
+    causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+    probs = softmax_keep_output(jnp.where(causal, scores, jnp.asarray(-1e30, jnp.float32).astype(q.dtype)))
+    return jnp.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(b, s, a, d)
+
+
 def attention_core(q, k, v, implementation: str = "xla"):
     """Causal softmax(q k^T / sqrt(d)) v with grouped KV heads: q [b,s,a,d], k/v [b,s,g,d].
     "xla" materialises the s x s scores (unfused attention); "cudnn" is cuDNN's fused (flash)
     attention kernel, GPU only."""
+    if implementation == "xla":
+        return unfused_attention(q, k, v)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
@@ -163,8 +208,30 @@ def ring_attention_block(q, k, v, *, axis: str, axis_size: int):
     return out.reshape(b, sq, a, d).astype(q.dtype)
 
 
+#: silu(gate) * up keeping only its inputs (the fc1 outputs) for backward, as Megatron's fused
+#: bias_swiglu autograd function does; the product is kept once more as fc2's input [K22 sec. 4.1]
+@jax.custom_vjp
+def swiglu_act(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu_act(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, dy):
+    gate, up = res
+    g32, u32, dy32 = gate.astype(jnp.float32), up.astype(jnp.float32), dy.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g32)
+    d_gate = dy32 * u32 * sig * (1.0 + g32 * (1.0 - sig))          # d silu(x) / dx = s (1 + x (1 - s))
+    return d_gate.astype(gate.dtype), (dy32 * g32 * sig).astype(up.dtype)
+
+
+swiglu_act.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def swiglu(x, w_gate, w_up, w_down, shard=no_shard):
-    hid = shard(jax.nn.silu(x @ w_gate) * (x @ w_up), "ffn")
+    hid = shard(swiglu_act(x @ w_gate, x @ w_up), "ffn")
     return hid @ w_down
 
 
@@ -177,7 +244,7 @@ def route(x_tokens, router, top_k):
 
 def experts_local(buf, e_gate, e_up, e_down):
     """SwiGLU of each expert on its token buffer: buf [E, C, h] -> [E, C, h]."""
-    hid = jax.nn.silu(jnp.einsum("ech,ehf->ecf", buf, e_gate)) * jnp.einsum("ech,ehf->ecf", buf, e_up)
+    hid = swiglu_act(jnp.einsum("ech,ehf->ecf", buf, e_gate), jnp.einsum("ech,ehf->ecf", buf, e_up))
     return jnp.einsum("ecf,efh->ech", hid, e_down)
 
 
@@ -236,19 +303,31 @@ def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none",
     return shard(x + y, "hidden")
 
 
+#: name of a ZeRO-3 layer's gathered weights (never kept for backward: gathered again there)
+GATHERED = "zero3_gathered_weight"
+
+
 def layers_scan(x, layer_params, positions, dm: Dims, *, shard=no_shard, recompute="none",
-                moe_dispatch=None, cast=None, attention="xla", attention_fn=None):
+                moe_dispatch=None, cast=None, attention="xla", attention_fn=None, regather: bool = False):
     """Run a stack of layers ([n, ...] leading axis) with lax.scan. `cast(p)` turns a layer's stored
     weights into compute weights (bf16 cast, and the ZeRO-3 all-gather) inside the scan, so gathered
-    weights live one layer at a time."""
-    def body(h, p):
+    weights live one layer at a time. With `regather` (ZeRO-3) the backward pass gathers them again
+    instead of keeping every layer's gathered copy (Rajbhandari et al. 2020 sec. 5.3; FSDP's
+    reshard_after_forward)."""
+    def run(h_, p_):
         if cast is not None:
-            p = cast(p)
-        fn = lambda h_, p_: layer(h_, p_, positions, dm, shard=shard,                # noqa: E731
-                                  recompute=recompute, moe_dispatch=moe_dispatch, attention=attention,
-                                  attention_fn=attention_fn)
+            p_ = cast(p_)
+            if regather:
+                p_ = {k: checkpoint_name(v, GATHERED) for k, v in p_.items()}
+        return layer(h_, p_, positions, dm, shard=shard, recompute=recompute, moe_dispatch=moe_dispatch,
+                     attention=attention, attention_fn=attention_fn)
+
+    def body(h, p):
+        fn = run
         if recompute == "full":
             fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+        elif regather:
+            fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
         return fn(h, p), None
     x, _ = jax.lax.scan(body, x, layer_params)
     return x

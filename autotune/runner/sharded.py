@@ -10,7 +10,7 @@ token exchange, which is an explicit `shard_map` with two `all_to_all`s over "ep
   4.2.2): the residual stream is sharded over tp on the sequence between blocks.
 * DP: the batch over ("dp", "ep"); ZeRO-1 shards the fp32 master weights and Adam moments over it,
   ZeRO-2 also the accumulated gradients, ZeRO-3 keeps no full bf16 copy and gathers each layer's
-  weights inside the layer scan (Rajbhandari et al. 2020).
+  weights inside the layer scan, and again in its backward (Rajbhandari et al. 2020).
 * CP: the sequence over "cp" in cp contiguous blocks; ring attention (shard_map, K/V blocks sent
   around the ring with ppermute, online softmax). No load balancing: a rank still computes the
   fully masked blocks (Megatron's 2*cp zig-zag split would skip them).
@@ -21,8 +21,9 @@ token exchange, which is an explicit `shard_map` with two `all_to_all`s over "ep
   backward pass (GPipe's memory, not 1F1B's). Interleaved stages (vpp > 1) are refused.
 * Recompute: "selective" checkpoints the attention core, "full" whole layers (jax.checkpoint with
   nothing_saveable).
-* Gradient accumulation over micro-batches (lax.scan) without PP; AdamW (Loshchilov & Hutter 2019)
-  on fp32 master weights; compute in `compute_dtype` (bf16 by default).
+* Gradient accumulation over micro-batches (lax.scan) without PP (one backward pass when m = 1); AdamW
+  (Loshchilov & Hutter 2019) on fp32 master weights; compute in `compute_dtype` (bf16 by default; in fp32
+  the weights are the master weights, no second copy).
 """
 from __future__ import annotations
 
@@ -189,11 +190,15 @@ class ShardedModel:
         abstract = jax.eval_shape(lambda k: stack_for_pipeline(M.init_params(self.dm, k), self.plan),
                                   jax.random.key(0))
         z = shape.plan.zero
+        # fp32 training keeps no separate master copy: the weights are the optimizer's parameters
+        # (Megatron-LM's FP32Optimizer; its distributed optimizer shards views of the fp32 params)
+        self.separate_master = not (self.cdt == jnp.float32 and z < 3)
         self.compute_specs = param_specs(abstract, self.plan, zero=False)
         self.master_specs = param_specs(abstract, self.plan, zero=z >= 1)
         self.grad_specs = param_specs(abstract, self.plan, zero=z >= 2)
-        self.state_specs = {"master": self.master_specs, "m": self.master_specs, "v": self.master_specs,
-                            "step": P()}
+        self.state_specs = {"m": self.master_specs, "v": self.master_specs, "step": P()}
+        if self.separate_master:
+            self.state_specs["master"] = self.master_specs
         if z < 3:
             self.state_specs["params"] = self.compute_specs
         self.data_spec = P(None, BATCH, "cp")          # [micro-batches, dp*mbs, s]
@@ -255,7 +260,7 @@ class ShardedModel:
         positions = jnp.arange(self.shape.seq_len)
         return partial(M.layers_scan, positions=positions, dm=self.dm, shard=self.shard,
                        recompute=self.shape.recompute, moe_dispatch=self._moe_dispatch(),
-                       cast=self._layer_cast(), attention=self.shape.attention,
+                       cast=self._layer_cast(), attention=self.shape.attention, regather=self.plan.zero >= 3,
                        attention_fn=self._ring_attention())
 
     def _outer(self, weights):
@@ -297,8 +302,11 @@ class ShardedModel:
     def loss_and_grads(self, weights, tokens, targets):
         """Mean loss over the step's micro-batches and the fp32 gradient (accumulated in the
         gradient spec: replicated over DP, or sharded with ZeRO-2/3)."""
-        if self.plan.pp > 1:
-            loss, g = jax.value_and_grad(self.pipeline_loss)(weights, tokens, targets)
+        if self.plan.pp > 1 or tokens.shape[0] == 1:
+            # one backward pass produces the step's gradient (the pipeline's, or a single micro-batch's)
+            fn = self.pipeline_loss if self.plan.pp > 1 else \
+                (lambda w, t, y: self.micro_batch_loss(w, t[0], y[0]))                   # noqa: E731
+            loss, g = jax.value_and_grad(fn)(weights, tokens, targets)
             return loss, self._constrain_tree(jax.tree.map(lambda x: x.astype(jnp.float32), g), self.grad_specs)
         m = tokens.shape[0]
         acc0 = self._constrain_tree(jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights),
@@ -313,13 +321,20 @@ class ShardedModel:
         (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), acc0), (tokens, targets))
         return loss, grads
 
+    def master_weights(self, state):
+        """The fp32 weights the optimizer updates (the compute weights themselves in fp32 training)."""
+        return state["master"] if self.separate_master else state["params"]
+
     def train_step(self, state, tokens, targets):
         weights = state["master"] if self.plan.zero >= 3 else state["params"]
         loss, grads = self.loss_and_grads(weights, tokens, targets)
         grads = self._constrain_tree(grads, self.master_specs)
         step = state["step"] + 1
-        master, mom, vel = adamw(state["master"], state["m"], state["v"], grads, step, self.shape.learning_rate)
-        new = {"master": master, "m": mom, "v": vel, "step": step}
+        master = self._constrain_tree(self.master_weights(state), self.master_specs)
+        master, mom, vel = adamw(master, state["m"], state["v"], grads, step, self.shape.learning_rate)
+        new = {"m": mom, "v": vel, "step": step}
+        if self.separate_master:
+            new["master"] = master
         if self.plan.zero < 3:
             new["params"] = self._constrain_tree(jax.tree.map(lambda w: w.astype(self.cdt), master),
                                                  self.compute_specs)
@@ -328,9 +343,10 @@ class ShardedModel:
     # -- jitted entry points -----------------------------------------------------------------------
     def _state_from(self, params: dict) -> dict:
         st = stack_for_pipeline(params, self.plan)
-        out = {"master": jax.tree.map(lambda w: w.astype(jnp.float32), st),
-               "m": jax.tree.map(jnp.zeros_like, st), "v": jax.tree.map(jnp.zeros_like, st),
-               "step": jnp.zeros((), jnp.int32)}
+        out = {"m": jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), st),
+               "v": jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), st), "step": jnp.zeros((), jnp.int32)}
+        if self.separate_master:
+            out["master"] = jax.tree.map(lambda w: w.astype(jnp.float32), st)
         if self.plan.zero < 3:
             out["params"] = jax.tree.map(lambda w: w.astype(self.cdt), st)
         return out

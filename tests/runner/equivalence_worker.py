@@ -72,7 +72,7 @@ def run_case(kind: str, plan_kw: dict, refs: dict) -> dict:
         state, met = step(state, *sm.split_batch(tk, tg))
         losses.append(float(met["loss"]))
         grads.append(unstack_pipeline(jax.device_get(met["grads"])))
-    final = unstack_pipeline(jax.device_get(state["master"]))
+    final = unstack_pipeline(jax.device_get(sm.master_weights(state)))
     return {"case": f"{kind}:{','.join(f'{k}={v}' for k, v in plan_kw.items())}",
             "loss_abs_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
             "grad_rel_err_step1": rel(grads[0], ref_grads[0]), "grad_rel_err_step3": rel(grads[-1], ref_grads[-1]),
