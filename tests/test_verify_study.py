@@ -25,21 +25,13 @@ from autotune.verify_study import (RunnerConfig, open_verification_study, run_ve
                                    verification_summary)
 from cli.main import app
 
+from tests.test_verify import one_line_error  # noqa: E402  (one helper for the verify tests)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE = os.path.join(ROOT, "tests", "data", "fake_megatron")
 TINY = os.path.join(ROOT, "tests", "data", "tiny_llama_config.json")
 runner = CliRunner()
 BIG = dict(model="llama3-8b", gpu="h100", gpus=8, global_batch=64, seq_len=4096)
-
-
-def one_line_error(result, code: int, *needles: str) -> str:
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 @pytest.fixture
