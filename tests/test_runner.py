@@ -30,6 +30,7 @@ CASES = [
     ("dense", {"pp": 2, "tp": 2, "dp": 2, "sp": True, "zero": 1, "recompute": "full"}),
     ("moe", {"tp": 2, "sp": True, "dp": 4, "ep": 2}),                        # EP all_to_all + TP
     ("moe", {"pp": 2, "dp": 2, "ep": 2, "zero": 3, "mbs": 2}),               # PP + EP + ZeRO-3
+    ("dense", {"pp": 2, "vpp": 2, "tp": 2, "dp": 2, "mbs": 1, "zero": 1}),   # interleaved chunks (vpp 2)
 ]
 LOSS_TOL, GRAD_TOL, WEIGHT_TOL = 1e-5, 1e-4, 1e-3
 
@@ -65,10 +66,10 @@ DENSE = M.Dims(num_layers=4, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64,
 
 
 @pytest.mark.parametrize("plan, needle", [
-    (Plan(pp=2, vpp=2), "vpp=2"),
+    (Plan(pp=2, vpp=4), "pp*vpp=8 must divide the 4 layers"),
     (Plan(ep=2, dp=2), "needs a MoE model"),
     (Plan(tp=8), "tp=8 must divide heads=4"),
-    (Plan(pp=3), "pp=3 must divide the 4 layers"),
+    (Plan(pp=3), "pp*vpp=3 must divide the 4 layers"),
     (Plan(dp=3), "global_batch=8 must be a multiple of dp*mbs=3"),
     (Plan(first_layers=1, pp=2), "uneven pipeline"),
 ])

@@ -18,7 +18,8 @@ token exchange, which is an explicit `shard_map` with two `all_to_all`s over "ep
 * PP: layers over "pp" as [pp, L/pp] stacks, GPipe schedule (Huang et al. 2019): each tick every
   stage runs its layers on its buffer (vmap with spmd_axis_name="pp"), then the buffers shift one
   stage (a collective permute); pp - 1 bubble ticks; all micro-batches' activations stay until the
-  backward pass (GPipe's memory, not 1F1B's). Interleaved stages (vpp > 1) are refused.
+  backward pass (GPipe's memory, not 1F1B's). vpp > 1: [pp, vpp, L/(pp vpp)] stacks in Megatron's
+  interleaved placement (stage s holds chunks s, s + pp, ...), run as vpp GPipe passes round the ring.
 * Recompute: "selective" checkpoints the attention core, "full" whole layers (jax.checkpoint with
   nothing_saveable).
 * Gradient accumulation over micro-batches (lax.scan) without PP (one backward pass when m = 1); AdamW
@@ -71,14 +72,13 @@ def unsupported_reason(shape: RunShape) -> str | None:
     """None when the runner can build this plan, else a one-line reason."""
     p, dm, s = shape.plan, shape.dims, shape.seq_len
     checks = [
-        (p.vpp == 1, f"vpp={p.vpp}: interleaved pipeline stages are not implemented in the jax runner (GPipe, vpp=1)"),
         (p.etp == 1, f"etp={p.etp}: expert tensor parallelism is not implemented in the jax runner"),
         (not (p.first_layers or p.last_layers or p.layout), "uneven pipeline splits are not implemented in the jax runner"),
         (p.recompute_layers == 0, "recompute_layers (block recomputation) is not implemented in the jax runner"),
         (p.ep == 1 or dm.is_moe, f"ep={p.ep} needs a MoE model"),
         (p.dp % p.ep == 0, f"ep={p.ep} must divide dp={p.dp} in the jax runner (EP folds into DP only)"),
         (not dm.is_moe or dm.num_experts % p.ep == 0, f"ep={p.ep} must divide num_experts={dm.num_experts}"),
-        (dm.num_layers % p.pp == 0, f"pp={p.pp} must divide the {dm.num_layers} layers built"),
+        (dm.num_layers % (p.pp * p.vpp) == 0, f"pp*vpp={p.pp * p.vpp} must divide the {dm.num_layers} layers built"),
         (dm.heads % p.tp == 0 and dm.kv_heads % p.tp == 0,
          f"tp={p.tp} must divide heads={dm.heads} and kv_heads={dm.kv_heads}"),
         (dm.vocab % p.tp == 0, f"tp={p.tp} must divide vocab={dm.vocab}"),
@@ -134,7 +134,9 @@ def zero_spec(name: str, spec: P, shape: tuple, plan: Plan) -> P:
 
 
 def _prefix(plan: Plan) -> tuple:
-    return ("pp", None) if plan.pp > 1 else (None,)
+    if plan.pp == 1:
+        return (None,)
+    return ("pp", None, None) if plan.vpp > 1 else ("pp", None)
 
 
 def param_specs(params: dict, plan: Plan, zero: bool) -> dict:
@@ -156,20 +158,29 @@ def param_specs(params: dict, plan: Plan, zero: bool) -> dict:
 
 
 def stack_for_pipeline(params: dict, plan: Plan) -> dict:
+    """Layers [L] -> [pp, L/pp] (stage s: layers s*L/pp ...), or with vpp > 1 -> [pp, vpp, L/(pp*vpp)]
+    in Megatron's interleaved placement: stage s holds model chunks s, s + pp, s + 2 pp, ..."""
     if plan.pp == 1:
         return params
-    lay = {k: v.reshape(plan.pp, v.shape[0] // plan.pp, *v.shape[1:]) for k, v in params["layers"].items()}
+    if plan.vpp == 1:
+        lay = {k: v.reshape(plan.pp, v.shape[0] // plan.pp, *v.shape[1:]) for k, v in params["layers"].items()}
+    else:
+        per = plan.pp * plan.vpp
+        lay = {k: jnp.swapaxes(v.reshape(plan.vpp, plan.pp, v.shape[0] // per, *v.shape[1:]), 0, 1)
+               for k, v in params["layers"].items()}
     return {**params, "layers": lay}
 
 
 def unstack_pipeline(params: dict) -> dict:
-    lay = {k: v.reshape(-1, *v.shape[2:]) if v.ndim >= 2 and _is_pp(params) else v
-           for k, v in params["layers"].items()}
+    """The inverse of stack_for_pipeline: layers back to [L] in model order."""
+    extra = params["layers"]["attn_norm"].ndim - 1        # stacked axes: 1 (L), 2 (pp, L/pp), 3 (pp, vpp, .)
+    if extra == 1:
+        return params
+    if extra == 2:
+        lay = {k: v.reshape(-1, *v.shape[2:]) for k, v in params["layers"].items()}
+    else:
+        lay = {k: jnp.swapaxes(v, 0, 1).reshape(-1, *v.shape[3:]) for k, v in params["layers"].items()}
     return {**params, "layers": lay}
-
-
-def _is_pp(params) -> bool:
-    return params["layers"]["attn_norm"].ndim == 3
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,11 +289,10 @@ class ShardedModel:
         x = self._stack_fn()(x, weights["layers"])
         return M.head_loss(x, targets, outer, self.shard, self.cdt)
 
-    def pipeline_loss(self, weights, tokens, targets):
-        """GPipe over "pp": tokens [m, dp*mbs, s]; mean loss over the m micro-batches."""
-        pp, m = self.plan.pp, tokens.shape[0]
-        outer = self._outer(weights)
-        x_in = jax.vmap(lambda t: M.embed(t, outer, self.shard, self.cdt))(tokens)     # [m, b, s, h]
+    def _gpipe_pass(self, x_in, layers):
+        """One GPipe pass over "pp" of the m micro-batches x_in [m, b, s, h] through the stages'
+        `layers` ([pp, n, ...]): pp - 1 bubble ticks, then one micro-batch out per tick."""
+        pp = self.plan.pp
         pad = jnp.zeros((pp - 1, *x_in.shape[1:]), x_in.dtype)
         feed = jnp.concatenate([x_in, pad], axis=0)
         stage = jax.vmap(self._stack_fn(), spmd_axis_name="pp")
@@ -290,12 +300,26 @@ class ShardedModel:
 
         def tick(buf, x_t):
             buf = self.wsc(buf.at[0].set(x_t), buf_spec)
-            out = self.wsc(stage(buf, weights["layers"]), buf_spec)
+            out = self.wsc(stage(buf, layers), buf_spec)
             return jnp.roll(out, 1, axis=0), out[pp - 1]
 
         buf0 = self.wsc(jnp.zeros((pp, *x_in.shape[1:]), x_in.dtype), buf_spec)
         _, outs = jax.lax.scan(tick, buf0, feed)
-        outs = outs[pp - 1:]
+        return outs[pp - 1:]
+
+    def pipeline_loss(self, weights, tokens, targets):
+        """GPipe over "pp": tokens [m, dp*mbs, s]; mean loss over the m micro-batches. With vpp > 1
+        the stages hold Megatron's interleaved chunks and the micro-batches go round the ring vpp
+        times, one GPipe pass per chunk (the same math and placement as the interleaved schedule;
+        its timing is GPipe's: a (pp-1)-tick bubble per pass, not Megatron's (pp-1)/vpp)."""
+        outer = self._outer(weights)
+        x = jax.vmap(lambda t: M.embed(t, outer, self.shard, self.cdt))(tokens)     # [m, b, s, h]
+        if self.plan.vpp == 1:
+            outs = self._gpipe_pass(x, weights["layers"])
+        else:
+            for c in range(self.plan.vpp):
+                x = self._gpipe_pass(x, jax.tree.map(lambda w, c=c: w[:, c], weights["layers"]))
+            outs = x
         losses = jax.vmap(lambda x, t: M.head_loss(x, t, outer, self.shard, self.cdt))(outs, targets)
         return jnp.mean(losses)
 
