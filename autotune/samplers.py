@@ -33,10 +33,10 @@ from optuna.trial import FrozenTrial, TrialState
 from costmodels.specs import SpecError
 from search_spaces.optuna_space import TABLE_KNOBS, PlanSpace
 
-SAMPLERS = ("tpe", "nsga2", "gp", "cmaes", "random", "grid")
+SAMPLERS = ("tpe", "table", "nsga2", "gp", "cmaes", "random", "grid")
 #: samplers that read `Trial.set_constraint` (Optuna 5 replaced `constraints_func` by it); CMA-ES
 #: does not, so it is told a penalized value
-CONSTRAINT_AWARE = ("tpe", "nsga2", "gp")
+CONSTRAINT_AWARE = ("tpe", "table", "nsga2", "gp")
 DEFAULT_SAMPLER = "tpe"
 #: TPE settings (tests/benchmarks/bench_optuna.py): 16 random start-up trials, 48 candidates per
 #: acquisition, multivariate with a constant liar for the batch; 70 % of the later trials are local
@@ -81,6 +81,11 @@ def make_sampler(name: str, seed: int | None, space: PlanSpace, n_objectives: in
             return LegalSampler(base, space, refine=TPE_REFINE if n_objectives == 1 else 0.0,
                                 refine_after=TPE_STARTUP_TRIALS, incumbents=TPE_INCUMBENTS,
                                 retries=TPE_RETRIES, seed=seed)
+        if key == "table":
+            from .table_sampler import STARTUP_TRIALS, TableSampler
+            return LegalSampler(TableSampler(space, seed=seed), space,
+                                refine=TPE_REFINE if n_objectives == 1 else 0.0, refine_after=STARTUP_TRIALS,
+                                incumbents=TPE_INCUMBENTS, seed=seed)
         if key == "nsga2":
             base = optuna.samplers.NSGAIISampler(
                 seed=seed, population_size=max(NSGA2_MIN_POPULATION, 2 * len(space.distributions)))
@@ -111,7 +116,7 @@ class LegalSampler(BaseSampler):
         self.seed = seed
         self._proposals: dict = {}           # trial number -> params chosen before the base sampler
         self._origin: dict = {}              # plan key -> the incumbent it is a local move from
-        self._snapshot: tuple = (None, [])   # (trial number, the study's trials read for it)
+        self._snapshot: tuple = (None, [], None)   # (trial number, the study's trials read for it, their keys)
 
     def __str__(self) -> str:
         return f"Legal({self.base})"
@@ -169,12 +174,14 @@ class LegalSampler(BaseSampler):
     def _trials(self, study, number: int) -> list:
         """The study's trials, read once per trial being sampled (a database query on RDB storage)."""
         if self._snapshot[0] != number:
-            self._snapshot = (number, study.get_trials(deepcopy=False))
+            self._snapshot = (number, study.get_trials(deepcopy=False), None)
         return self._snapshot[1]
 
     def _tried(self, study, number: int) -> set:
-        tried = {self._key(t.params) for t in self._trials(study, number) if t.params}
-        return tried | {self._key(p) for p in self._proposals.values()}
+        trials = self._trials(study, number)
+        if self._snapshot[2] is None:            # the plans of that snapshot, keyed once
+            self._snapshot = (number, trials, {self._key(t.params) for t in trials if t.params})
+        return self._snapshot[2] | {self._key(p) for p in self._proposals.values()}
 
     def _refines(self, number: int) -> bool:
         if self.refine <= 0 or number < self.refine_after:

@@ -161,7 +161,8 @@ def search(
     batch_size: optuna_cmds.BatchOpt = None,
     with_sensitivity: Annotated[bool, typer.Option(
         "--sensitivity/--no-sensitivity",
-        help="Add the best plan's elasticities (jax.jacfwd) to the report (first run in a fresh cache: ~8 s).")] = True,
+        help="Add the best plan's elasticities (jax.jacfwd through the cost model) to the report: off by "
+             "default, it costs ~2-3 s more (~8 s in a fresh compilation cache).")] = False,
     framework: FrameworkOpt = None,
     attention_backend: AttentionBackendOpt = None,
     tp_comm_overlap: TpCommOverlapOpt = None,
@@ -208,7 +209,6 @@ def search(
     from autotune.advice import no_legal_plan_advice, nothing_fits_advice
     from autotune.report import save_report, search_report
     from autotune.search import NoLegalPlan, NothingFits
-    from autotune.sensitivity import add_sensitivity
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
         with spinner("Scoring every legal plan...", enabled=not as_json):
@@ -226,6 +226,7 @@ def search(
     report["strategy_choice"] = {"requested": strategy, **choice.as_dict()}
     capacity_cmds.annotate_headroom(report, room)
     if with_sensitivity:
+        from autotune.sensitivity import add_sensitivity
         with spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
     export_cmds.finish_report(report, problem, export_to)
@@ -259,6 +260,9 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
         for sentence in report["sensitivity"]["sentences"][:5]:
             con.print(Text(f"  - {sentence}"))
         con.print()
+    else:
+        con.print(Text("What limits the best plan and what would help: add --sensitivity (or run "
+                       "`autotune explain` with the plan's --plan)."))
     con.print(Text(_space_line(report["space"], report["elapsed_s"])))
     if report.get("verification"):
         verify_cmds.print_verification(con, report["verification"])

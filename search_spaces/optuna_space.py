@@ -174,6 +174,7 @@ class _Table:
         self.rows = rows[order]
         self.stats: SpaceStats = stats
         self._slices = LRU(SLICE_CACHE)
+        self._values = LRU(SLICE_CACHE)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -193,12 +194,17 @@ class _Table:
         return self.narrow(lo, hi, len(prefix) - 1, prefix[-1]) if hi > lo else (lo, lo)
 
     def values(self, prefix: tuple) -> np.ndarray:
-        """Legal values of knob number len(prefix) after `prefix`, sorted."""
+        """Legal values of knob number len(prefix) after `prefix`, sorted (cached: a short prefix
+        spans most of the table, and every trial asks for it again); int64, read-only."""
+        return self._values.get(prefix, lambda: self._distinct(prefix))
+
+    def _distinct(self, prefix: tuple) -> np.ndarray:
         lo, hi = self.slice_of(prefix)
         col = self.rows[lo:hi, len(prefix)]
-        if len(col) == 0:
-            return col
-        return col[np.concatenate(([True], col[1:] != col[:-1]))]
+        out = col[np.concatenate(([True], col[1:] != col[:-1]))] if len(col) else col
+        out = out.astype(np.int64)
+        out.flags.writeable = False
+        return out
 
     def batch(self, gpus: int, extras: dict) -> PlanBatch:
         arrays = {k: self.rows[:, i].astype(np.int32) for i, k in enumerate(TABLE_KNOBS)}
@@ -347,7 +353,7 @@ class PlanSpace:
             raise IllegalParams(f"{name} is sampled after {', '.join(missing)}")
         if name in OPTUNA_ONLY_KNOBS:
             return self._extra_values(n, name, prefix[:j])
-        return self.table(n).values(prefix[:j]).astype(np.int64)
+        return self.table(n).values(prefix[:j])
 
     def _extra_values(self, n: int, name: str, prefix: tuple) -> np.ndarray:
         """Legal values of an Optuna-only knob after a whole table plan and the extras before it:
