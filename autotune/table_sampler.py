@@ -36,17 +36,18 @@ from search_spaces.optuna_space import GPUS, TABLE_KNOBS, PlanSpace
 STARTUP_TRIALS = 16
 GAMMA = 0.1                 # share of the feasible trials taken as good (Optuna's TPE: 10 %, at most 25)
 MAX_GOOD = 25
-CANDIDATES = 8192           # candidate plans scored per trial
+CANDIDATES = 4096           # candidate plans scored per trial
 PRIOR_WEIGHT = 1.0          # pseudo-trials spread uniformly over each knob's domain
 NEIGHBOUR_SHARE = 0.5       # share of a trial's weight given to each adjacent domain value
 RIDGE = 1e-2                # ridge penalty of the surrogate's regressions
+NOISE_FLOOR = 1e-3          # least residual variance of log step time assumed by Thompson sampling
 
 
 class TableSampler(BaseSampler):
     """Proposes the untried legal plan with the best Parzen ratio l/g (see the module docstring)."""
 
     def __init__(self, space: PlanSpace, *, seed: int | None = None, n_startup_trials: int = STARTUP_TRIALS,
-                 gamma: float = GAMMA, candidates: int = CANDIDATES, surrogate: bool = True):
+                 gamma: float = GAMMA, candidates: int = CANDIDATES, surrogate: bool = True, thompson: bool = True):
         if not 0.0 < gamma < 1.0:
             raise ValueError(f"gamma must be in (0, 1), got {gamma}")
         self.space = space
@@ -55,9 +56,12 @@ class TableSampler(BaseSampler):
         self.gamma = float(gamma)
         self.candidates = int(candidates)
         self.surrogate = bool(surrogate)
+        self.thompson = bool(thompson)
         self.names = list(space.distributions)
         self._domains = [space.domain_values(k) for k in self.names]
-        self._done: dict = {}        # trial number -> (knob vector, values, constraint violation) of finished trials
+        self._vecs: dict = {}        # trial number -> knob vector, once its plan is complete
+        self._done: dict = {}        # trial number -> (knob vector, values, violation, log metrics) once finished
+        self._fitted: tuple | None = None   # (key of the finished trials, surrogate) of the last fit
 
     def __str__(self) -> str:
         return "TableSampler"
@@ -77,7 +81,7 @@ class TableSampler(BaseSampler):
         if len(done[0]) < self.n_startup_trials:
             i = int(rng.integers(len(cands)))
         elif done[3] is not None and len(study.directions) == 1 and self.surrogate:
-            score = self._ridge_score(cands, done[0], done[3])
+            score = self._ridge_score(cands, done[0], done[3], rng if self.thompson else None)
             best = np.flatnonzero(score >= score.max() - 1e-9)
             i = int(best[rng.integers(len(best))])
         else:
@@ -93,23 +97,26 @@ class TableSampler(BaseSampler):
                                   trial.params)
 
     # ---- history ----
-    def _history(self, study) -> tuple[set, tuple]:
-        """(knob vectors of every trial with params, (vectors [n, K], values [n, m], violation [n]) of
-        the finished ones)."""
-        tried: set = set()
+    def _history(self, study) -> tuple[np.ndarray, tuple]:
+        """(keys of every plan a trial holds, (vectors [n, K], values [n, m], violation [n], log step
+        time / memory / limit [n, 3] or None) of the finished ones). A trial is read once its plan is
+        complete (its knob vector) and once more when it has finished (its results)."""
         for t in study.get_trials(deepcopy=False):
-            if not t.params or any(k not in t.params for k in self.names):
+            if t.number in self._done:
                 continue
-            vec = tuple(int(t.params[k]) for k in self.names)
-            tried.add(vec)
-            if t.number in self._done or t.state != TrialState.COMPLETE or not t.values:
+            if t.number not in self._vecs:
+                if not t.params or any(k not in t.params for k in self.names):
+                    continue
+                self._vecs[t.number] = np.array([int(t.params[k]) for k in self.names], dtype=np.int64)
+            if t.state != TrialState.COMPLETE or not t.values:
                 continue
             cons = t.constraints or {}
             over = sum(max(float(c), 0.0) for c in (cons.values() if isinstance(cons, dict) else cons))
             m = t.user_attrs.get("metrics") or {}
             fit = (math.log(m["step_time_s"]), math.log(m["memory_gb"]), math.log(m["memory_limit_gb"])) \
                 if all(m.get(k, 0) > 0 for k in ("step_time_s", "memory_gb", "memory_limit_gb")) else None
-            self._done[t.number] = (vec, tuple(float(v) for v in t.values), over, fit)
+            self._done[t.number] = (self._vecs[t.number], tuple(float(v) for v in t.values), over, fit)
+        tried = self._keys(np.array(list(self._vecs.values()), dtype=np.int64).reshape(-1, len(self.names)))
         rows = list(self._done.values())
         if not rows:
             return tried, (np.empty((0, len(self.names)), np.int64), np.empty((0, 1)), np.empty(0), None)
@@ -118,7 +125,7 @@ class TableSampler(BaseSampler):
                        np.array([r[2] for r in rows]), fits)
 
     # ---- candidates ----
-    def _candidates(self, rng: np.random.Generator, tried: set) -> np.ndarray | None:
+    def _candidates(self, rng: np.random.Generator, tried: np.ndarray) -> np.ndarray | None:
         """Up to `candidates` untried legal plans as knob vectors [C, K] (None when all were tried)."""
         counts = [n for n in self.space.counts if self.space.has_legal(n)]
         if not counts:
@@ -145,8 +152,8 @@ class TableSampler(BaseSampler):
         keys = self._keys(cands)
         _, first = np.unique(keys, return_index=True)
         cands, keys = cands[first], keys[first]
-        if tried:
-            cands = cands[~np.isin(keys, self._keys(np.array(list(tried), dtype=np.int64)))]
+        if len(tried):
+            cands = cands[~np.isin(keys, tried)]
         return cands if len(cands) else None
 
     def _keys(self, vecs: np.ndarray) -> np.ndarray:
@@ -178,15 +185,40 @@ class TableSampler(BaseSampler):
                 cols.append(np.log2(vecs[:, j:j + 1].astype(np.float64)))
         return np.concatenate(cols, axis=1)
 
-    def _ridge_score(self, cands: np.ndarray, vecs: np.ndarray, fits: np.ndarray) -> np.ndarray:
-        """Minus the predicted log step time of each candidate, with those predicted not to fit
-        (log memory above the limit) ranked after all others: two ridge regressions on the
-        features of the finished trials."""
-        x, xc = self._features(vecs), self._features(cands)
+    def _fit(self, vecs: np.ndarray, fits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Ridge coefficients [features, (log step, log memory)] and the factor S with S S^T the
+        posterior covariance of the step-time ones (sigma^2 (X^T X + R)^-1). Fitted once per set of
+        finished trials: the trials of one batch are asked before any is told, so they share it."""
+        key = (len(vecs), float(fits[:, 0].sum()))
+        if self._fitted is not None and self._fitted[0] == key:
+            return self._fitted[1]
+        x = self._features(vecs)
         reg = RIDGE * np.eye(x.shape[1])
         reg[0, 0] = 0.0
-        coef = np.linalg.solve(x.T @ x + reg, x.T @ fits[:, :2])
-        pred = xc @ coef
+        a = x.T @ x + reg
+        coef = np.linalg.solve(a, x.T @ fits[:, :2])
+        sigma = math.sqrt(max(float(np.mean((x @ coef[:, 0] - fits[:, 0]) ** 2)), NOISE_FLOOR))
+        draw = sigma * np.linalg.inv(np.linalg.cholesky(a + 1e-9 * np.eye(len(a)))).T
+        self._fitted = (key, (coef, draw))
+        return coef, draw
+
+    def _ridge_score(self, cands: np.ndarray, vecs: np.ndarray, fits: np.ndarray,
+                     rng: np.random.Generator | None = None) -> np.ndarray:
+        """Minus the predicted log step time of each candidate, with those predicted not to fit
+        (log memory above the limit) ranked after all others: two ridge regressions on the
+        features of the finished trials, applied to the candidates by look-ups (no feature matrix)."""
+        coef, draw = self._fit(vecs, fits)
+        if rng is not None:         # Thompson sampling: step-time coefficients drawn from their posterior
+            coef = coef.copy()
+            coef[:, 0] += draw @ rng.standard_normal(len(draw))
+        pred = np.broadcast_to(coef[0], (len(cands), 2)).copy()
+        at = 1
+        for j, dom in enumerate(self._domains):
+            pred += coef[at + np.searchsorted(dom, cands[:, j])]
+            at += len(dom)
+            if dom[0] > 0:
+                pred += np.log2(cands[:, j:j + 1].astype(np.float64)) * coef[at]
+                at += 1
         fits_mem = pred[:, 1] <= fits[0, 2]
         return np.where(fits_mem, -pred[:, 0], -pred[:, 0] - 1e3)
 
