@@ -151,8 +151,8 @@ def search(
     calibration: CalibrationOpt = None,
     trials: optuna_cmds.TrialsOpt = None,
     timeout: optuna_cmds.TimeoutOpt = None,
-    sampler: Annotated[Optional[str], typer.Option("--sampler", help="Optuna sampler: tpe (default), nsga2, "
-                                                   "gp, cmaes, random, grid.")] = None,
+    sampler: Annotated[Optional[str], typer.Option("--sampler", help="Optuna sampler: table (default: legal "
+                                                   "plans ranked by a surrogate), tpe, nsga2, gp, cmaes, random, grid.")] = None,
     seed: optuna_cmds.SeedOpt = None,
     objective: Annotated[Optional[list[str]], typer.Option("--objective", help="tokens_per_s (default), "
                          "step_time, gpus, cost, memory; repeat for a Pareto front.")] = None,

@@ -304,9 +304,10 @@ def test_journal_storage_and_grid_sampler_cover_every_plan_once(tmp_path):
 # Multi-objective: the Pareto front, confirmed by the exhaustive scorer
 # ---------------------------------------------------------------------------------------------
 
-def test_pareto_front_is_non_dominated_among_all_legal_plans():
+@pytest.mark.parametrize("sampler", ["tpe", "table"])
+def test_pareto_front_is_non_dominated_among_all_legal_plans(sampler):
     spec = StudySpec(**{**SMALL, "gpus": "8-32:pow2"}, fixed=PINNED, objectives=("tokens_per_s", "gpus"),
-                     sampler="tpe", seed=0, batch_size=16)
+                     sampler=sampler, seed=0, batch_size=16)
     res = optuna_search(spec, n_trials=300)
     front = res.extra["optuna"]["pareto_front"]
     assert front and all(f["fits"] for f in front)
