@@ -42,7 +42,6 @@ def enable_compile_cache() -> str | None:
 
 #: (function, argument structure and types) -> its compiled executable, in this process
 _COMPILED: dict = {}
-_FRESH = {"xla_embed_ir_in_executable": False}
 #: the files whose code the compiled scorers run (their hash names the files on disk)
 _CODE = ("costmodels", "autotune/scoring.py")
 
@@ -101,20 +100,46 @@ def compiled(name: str, jitted, args: tuple):
         except Exception:                   # unreadable, truncated or from another jaxlib: compile again
             exe = None
     if exe is None:
-        # a fresh compile: an executable JAX loaded from its own cache serializes without its
-        # kernels on the CPU backend (NOT_FOUND: Function ... not found when run). Any compile option
-        # changes JAX's cache key; this one is XLA's default
-        exe = jitted.lower(*args).compile(_FRESH if path else None)
-        if path:
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "wb") as f:
-                    pickle.dump(serialize_executable.serialize(exe), f)
-                os.replace(tmp, path)         # atomic: a concurrent reader sees all of it or nothing
-            except OSError:
-                pass                          # a read-only or full disk: still scores, compiles next time
+        exe = jitted.lower(*args).compile() if not path else _compile_and_keep(jitted, args, path)
     _COMPILED[sig] = exe
+    return exe
+
+
+def _compile_and_keep(jitted, args: tuple, path: str):
+    """Compile afresh and write the executable to `path` once a copy read back from its bytes has run.
+
+    On the CPU backend an executable that JAX loaded from its own persistent cache serializes
+    without its kernels (running the copy fails: NOT_FOUND: Function ... not found), so this compile
+    must not come from that cache: the function is renamed with a nonce, which changes the lowered
+    module's name and so JAX's cache key (JAX then stores that one entry too, unused). If the copy
+    still fails, the executable serves this process only and nothing is written."""
+    import contextlib
+    import os
+    import pickle
+    import uuid
+    from jax.experimental import serialize_executable
+    fn = getattr(jitted, "__wrapped__", jitted)
+
+    def fresh(*a):
+        return fn(*a)
+
+    fresh.__name__ = fresh.__qualname__ = f"{fn.__name__.strip('_')}_aot_{uuid.uuid4().hex[:12]}"
+    exe = jax.jit(fresh).lower(*args).compile()
+    try:
+        payload = serialize_executable.serialize(exe)
+        jax.block_until_ready(serialize_executable.deserialize_and_load(*payload)(*args))
+    except Exception:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        return exe
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(payload, f)
+        os.replace(tmp, path)                 # atomic: a concurrent reader sees all of it or nothing
+    except OSError:
+        pass                                  # a read-only or full disk: still scores, compiles next time
     return exe
 
 
@@ -123,7 +148,7 @@ def run_compiled(name: str, jitted, args: tuple):
     and the call falls back to `jitted` (a file another jaxlib wrote, a corrupt file)."""
     exe = compiled(name, jitted, args)
     try:
-        return exe(*args)
+        return jax.block_until_ready(exe(*args))      # a bad executable fails here, not in the caller
     except Exception:
         import contextlib
         import os

@@ -48,3 +48,20 @@ def test_no_cache_folder_keeps_executables_in_memory_only(monkeypatch, tmp_path)
     inp, batch = _case()
     scoring.score_summary(batch, inp, EfficiencyParams())
     assert len(scoring._COMPILED) == 1 and not any(tmp_path.iterdir())
+
+
+def test_an_executable_that_fails_to_run_is_deleted_and_the_jit_answers(tmp_path, monkeypatch):
+    inp, batch = _case()
+    params = EfficiencyParams()
+    reference = scoring.score_summary(batch, inp, params)
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"x")
+    monkeypatch.setattr(scoring, "_aot_path", lambda sig: str(bad))
+
+    def broken(*args):
+        raise RuntimeError("NOT_FOUND: Function fusion not found")
+
+    monkeypatch.setattr(scoring, "compiled", lambda name, jitted, args: broken)
+    got = scoring.score_summary(batch, inp, params)
+    np.testing.assert_array_equal(got[0], reference[0])
+    assert not bad.exists()
