@@ -1,6 +1,7 @@
-"""Optuna samplers for the plan space: Optuna's own (TPE, NSGA-II, GP, CMA-ES, random), each wrapped
-in `LegalSampler` so that it only ever proposes legal plans, and `LegalGridSampler` (every legal plan
-once, in a seeded order).
+"""Optuna samplers for the plan space: `table` (the default: `autotune.table_sampler.TableSampler`,
+which proposes rows of the table of legal plans by a surrogate of the finished trials), Optuna's own
+(TPE, NSGA-II, GP, CMA-ES, random), each wrapped in `LegalSampler` so that it only ever proposes legal
+plans, and `LegalGridSampler` (every legal plan once, in a seeded order).
 
 `LegalSampler` is a public `optuna.samplers.BaseSampler` subclass. It maps every value the base
 sampler proposes onto the nearest legal value (`PlanSpace.project`, knob by knob in sampling order)
@@ -33,11 +34,11 @@ from optuna.trial import FrozenTrial, TrialState
 from costmodels.specs import SpecError
 from search_spaces.optuna_space import TABLE_KNOBS, PlanSpace
 
-SAMPLERS = ("tpe", "nsga2", "gp", "cmaes", "random", "grid")
+SAMPLERS = ("tpe", "table", "nsga2", "gp", "cmaes", "random", "grid")
 #: samplers that read `Trial.set_constraint` (Optuna 5 replaced `constraints_func` by it); CMA-ES
 #: does not, so it is told a penalized value
-CONSTRAINT_AWARE = ("tpe", "nsga2", "gp")
-DEFAULT_SAMPLER = "tpe"
+CONSTRAINT_AWARE = ("tpe", "table", "nsga2", "gp")
+DEFAULT_SAMPLER = "table"
 #: TPE settings (tests/benchmarks/bench_optuna.py): 16 random start-up trials, 48 candidates per
 #: acquisition, multivariate with a constant liar for the batch; 70 % of the later trials are local
 #: moves from the 3 best plans; a repeated plan is re-asked up to 3 times
@@ -46,6 +47,8 @@ TPE_EI_CANDIDATES = 48
 TPE_REFINE = 0.7
 TPE_INCUMBENTS = 3
 TPE_RETRIES = 3
+#: the table sampler's share of local moves after its start-up trials (bench_optuna.py: 0.4 beat 0.7)
+TABLE_REFINE = 0.4
 CMAES_STARTUP_TRIALS = 10
 NSGA2_MIN_POPULATION = 20
 _ALIASES = {"nsgaii": "nsga2", "cma": "cmaes", "bruteforce": "grid"}
@@ -81,6 +84,11 @@ def make_sampler(name: str, seed: int | None, space: PlanSpace, n_objectives: in
             return LegalSampler(base, space, refine=TPE_REFINE if n_objectives == 1 else 0.0,
                                 refine_after=TPE_STARTUP_TRIALS, incumbents=TPE_INCUMBENTS,
                                 retries=TPE_RETRIES, seed=seed)
+        if key == "table":
+            from .table_sampler import STARTUP_TRIALS, TableSampler
+            return LegalSampler(TableSampler(space, seed=seed), space,
+                                refine=TABLE_REFINE if n_objectives == 1 else 0.0, refine_after=STARTUP_TRIALS,
+                                incumbents=TPE_INCUMBENTS, seed=seed)
         if key == "nsga2":
             base = optuna.samplers.NSGAIISampler(
                 seed=seed, population_size=max(NSGA2_MIN_POPULATION, 2 * len(space.distributions)))
@@ -111,7 +119,8 @@ class LegalSampler(BaseSampler):
         self.seed = seed
         self._proposals: dict = {}           # trial number -> params chosen before the base sampler
         self._origin: dict = {}              # plan key -> the incumbent it is a local move from
-        self._snapshot: tuple = (None, [])   # (trial number, the study's trials read for it)
+        self._keyed: dict = {}               # trial number -> plan key, once its plan is complete
+        self._snapshot: tuple = (None, [], None)   # (trial number, the study's trials read for it, their keys)
 
     def __str__(self) -> str:
         return f"Legal({self.base})"
@@ -169,12 +178,18 @@ class LegalSampler(BaseSampler):
     def _trials(self, study, number: int) -> list:
         """The study's trials, read once per trial being sampled (a database query on RDB storage)."""
         if self._snapshot[0] != number:
-            self._snapshot = (number, study.get_trials(deepcopy=False))
+            self._snapshot = (number, study.get_trials(deepcopy=False), None)
         return self._snapshot[1]
 
     def _tried(self, study, number: int) -> set:
-        tried = {self._key(t.params) for t in self._trials(study, number) if t.params}
-        return tried | {self._key(p) for p in self._proposals.values()}
+        trials = self._trials(study, number)
+        if self._snapshot[2] is None:            # the plans of that snapshot, each keyed once
+            for t in trials:
+                if t.number not in self._keyed and t.params and len(t.params) >= len(self.space.distributions):
+                    self._keyed[t.number] = self._key(t.params)
+            self._snapshot = (number, trials, set(self._keyed.values())
+                              | {self._key(t.params) for t in trials if t.params and t.number not in self._keyed})
+        return self._snapshot[2] | {self._key(p) for p in self._proposals.values()}
 
     def _refines(self, number: int) -> bool:
         if self.refine <= 0 or number < self.refine_after:

@@ -36,6 +36,130 @@ def enable_compile_cache() -> str | None:
     return path
 
 
+# ---------------------------------------------------------------------------------------------
+# Compiled scorers kept ahead of time
+# ---------------------------------------------------------------------------------------------
+
+#: (function, argument structure and types) -> its compiled executable, in this process
+_COMPILED: dict = {}
+#: the files whose code the compiled scorers run (their hash names the files on disk)
+_CODE = ("costmodels", "autotune/scoring.py")
+
+
+def _code_hash() -> str:
+    import hashlib
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for part in _CODE:
+        p = root / part
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _aot_path(sig: tuple) -> str | None:
+    """Where the executable of `sig` is kept: next to JAX's persistent compilation cache (None when
+    that cache is off). The name hashes the signature, the code, JAX's version, the device and XLA_FLAGS."""
+    import hashlib
+    import os
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder:
+        return None
+    dev = jax.devices()[0]
+    key = repr((sig, _code_hash(), jax.__version__, dev.platform, dev.device_kind, os.environ.get("XLA_FLAGS", "")))
+    return os.path.join(folder, "autotune-aot", hashlib.sha256(key.encode()).hexdigest() + ".bin")
+
+
+def _signature(name: str, args: tuple) -> tuple:
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return (name, str(tree), tuple((np.shape(x), np.result_type(x).str, isinstance(x, (bool, int, float)))
+                                   for x in leaves))
+
+
+def compiled(name: str, jitted, args: tuple):
+    """The compiled executable of `jitted(*args)` for arguments of these shapes and types: from this
+    process, else read from disk (`jax.experimental.serialize_executable`), else traced, lowered and
+    compiled once (and written for the next process). A warm start skips JAX's tracing and lowering
+    of the cost model (~0.5 s per scorer, which JAX's own cache cannot skip: its key is the lowered
+    program). The file lives in the user's compilation cache folder, as JAX's executables do."""
+    import os
+    import pickle
+    from jax.experimental import serialize_executable
+    sig = _signature(name, args)
+    hit = _COMPILED.get(sig)
+    if hit is not None:
+        return hit
+    path = _aot_path(sig)
+    exe = None
+    if path and os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                exe = serialize_executable.deserialize_and_load(*pickle.load(f))
+        except Exception:                   # unreadable, truncated or from another jaxlib: compile again
+            exe = None
+    if exe is None:
+        exe = jitted.lower(*args).compile() if not path else _compile_and_keep(jitted, args, path)
+    _COMPILED[sig] = exe
+    return exe
+
+
+def _compile_and_keep(jitted, args: tuple, path: str):
+    """Compile afresh and write the executable to `path` once a copy read back from its bytes has run.
+
+    On the CPU backend an executable that JAX loaded from its own persistent cache serializes
+    without its kernels (running the copy fails: NOT_FOUND: Function ... not found), so this compile
+    must not come from that cache: the function is renamed with a nonce, which changes the lowered
+    module's name and so JAX's cache key (JAX then stores that one entry too, unused). If the copy
+    still fails, the executable serves this process only and nothing is written."""
+    import contextlib
+    import os
+    import pickle
+    import uuid
+    from jax.experimental import serialize_executable
+    fn = getattr(jitted, "__wrapped__", jitted)
+
+    def fresh(*a):
+        return fn(*a)
+
+    fresh.__name__ = fresh.__qualname__ = f"{fn.__name__.strip('_')}_aot_{uuid.uuid4().hex[:12]}"
+    exe = jax.jit(fresh).lower(*args).compile()
+    try:
+        payload = serialize_executable.serialize(exe)
+        jax.block_until_ready(serialize_executable.deserialize_and_load(*payload)(*args))
+    except Exception:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        return exe
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(payload, f)
+        os.replace(tmp, path)                 # atomic: a concurrent reader sees all of it or nothing
+    except OSError:
+        pass                                  # a read-only or full disk: still scores, compiles next time
+    return exe
+
+
+def run_compiled(name: str, jitted, args: tuple):
+    """`jitted(*args)` through `compiled`; an executable read from disk that fails to run is deleted
+    and the call falls back to `jitted` (a file another jaxlib wrote, a corrupt file)."""
+    exe = compiled(name, jitted, args)
+    try:
+        return jax.block_until_ready(exe(*args))      # a bad executable fails here, not in the caller
+    except Exception:
+        import contextlib
+        import os
+        path = _aot_path(_signature(name, args))
+        _COMPILED.pop(_signature(name, args), None)
+        if path:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        return jitted(*args)
+
+
 CHUNK = 1 << 16
 SMALL_CHUNK = 1 << 12
 FULL_CHUNK = 128
@@ -77,7 +201,7 @@ def score_summary(batch: PlanBatch, inp: Inputs, params: EfficiencyParams,
     for start in range(0, n, size):
         stop = min(start + size, n)
         part = _pad({k: v[start:stop] for k, v in arrays.items()}, size)
-        s, m = cm.summary_jit(part, inp.model, inp.hw, inp.job, params)
+        s, m = run_compiled("summary", cm.summary_jit, (part, inp.model, inp.hw, inp.job, params))
         steps[start:stop] = np.asarray(s)[: stop - start]
         mems[start:stop] = np.asarray(m)[: stop - start]
     return steps, mems
@@ -88,7 +212,7 @@ def score_full(batch: PlanBatch, inp: Inputs, params: EfficiencyParams) -> dict:
     n = len(batch)
     size = FULL_CHUNK * int(np.ceil(max(n, 1) / FULL_CHUNK))
     part = _pad({f: np.asarray(batch[f], dtype=np.int32) for f in PLAN_FIELDS}, size)
-    out = flatten(cm.evaluate_jit(part, inp.model, inp.hw, inp.job, params))
+    out = flatten(run_compiled("evaluate", cm.evaluate_jit, (part, inp.model, inp.hw, inp.job, params)))
     return {k: np.asarray(v)[:n] for k, v in out.items()}
 
 

@@ -151,8 +151,8 @@ def search(
     calibration: CalibrationOpt = None,
     trials: optuna_cmds.TrialsOpt = None,
     timeout: optuna_cmds.TimeoutOpt = None,
-    sampler: Annotated[Optional[str], typer.Option("--sampler", help="Optuna sampler: tpe (default), nsga2, "
-                                                   "gp, cmaes, random, grid.")] = None,
+    sampler: Annotated[Optional[str], typer.Option("--sampler", help="Optuna sampler: table (default: legal "
+                                                   "plans ranked by a surrogate), tpe, nsga2, gp, cmaes, random, grid.")] = None,
     seed: optuna_cmds.SeedOpt = None,
     objective: Annotated[Optional[list[str]], typer.Option("--objective", help="tokens_per_s (default), "
                          "step_time, gpus, cost, memory; repeat for a Pareto front.")] = None,
@@ -161,7 +161,8 @@ def search(
     batch_size: optuna_cmds.BatchOpt = None,
     with_sensitivity: Annotated[bool, typer.Option(
         "--sensitivity/--no-sensitivity",
-        help="Add the best plan's elasticities (jax.jacfwd) to the report (first run in a fresh cache: ~8 s).")] = True,
+        help="Add the best plan's elasticities (jax.jacfwd through the cost model) to the report: off by "
+             "default, it costs ~2-3 s more (~8 s in a fresh compilation cache).")] = False,
     framework: FrameworkOpt = None,
     attention_backend: AttentionBackendOpt = None,
     tp_comm_overlap: TpCommOverlapOpt = None,
@@ -230,7 +231,6 @@ def search(
     from autotune.advice import no_legal_plan_advice, nothing_fits_advice
     from autotune.report import save_report, search_report
     from autotune.search import NoLegalPlan, NothingFits
-    from autotune.sensitivity import add_sensitivity
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
         with spinner("Scoring every legal plan...", enabled=not as_json):
@@ -248,6 +248,7 @@ def search(
     report["strategy_choice"] = {"requested": strategy, **choice.as_dict()}
     capacity_cmds.annotate_headroom(report, room)
     if with_sensitivity:
+        from autotune.sensitivity import add_sensitivity
         with spinner("Differentiating the best plan...", enabled=not as_json):
             add_sensitivity(report, problem, params, memory_limit_gb)
     export_cmds.finish_report(report, problem, export_to)
@@ -281,6 +282,9 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
         for sentence in report["sensitivity"]["sentences"][:5]:
             con.print(Text(f"  - {sentence}"))
         con.print()
+    else:
+        con.print(Text("What limits the best plan and what would help: add --sensitivity (or run "
+                       "`autotune explain` with the plan's --plan)."))
     con.print(Text(_space_line(report["space"], report["elapsed_s"])))
     if report.get("verification"):
         verify_cmds.print_verification(con, report["verification"])

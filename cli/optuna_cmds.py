@@ -218,7 +218,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
                       sampler: Optional[str], seed: Optional[int], objectives: Optional[list],
                       storage: Optional[str], study: Optional[str], batch_size: Optional[int],
                       choice: osr.StrategyChoice | None = None, requested: str = "optuna",
-                      with_sensitivity: bool = True, framework: Optional[dict] = None,
+                      with_sensitivity: bool = False, framework: Optional[dict] = None,
                       export_to: str | None = None, headroom=None, verification: Callable | None = None) -> int:
     """`search` with Optuna: run (or resume) the study, print and save the report. An exit code.
     A report that cannot be saved (the folder went away, the disk is full) is still printed; then one
@@ -227,7 +227,6 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     from autotune.headroom import annotate
     from autotune.report import save_report, search_report
     from autotune.search import NothingFits
-    from autotune.sensitivity import add_sensitivity
     osr = _osr()
     if is_gpu_range(gpus) or gpus is None:
         gpus_text = None if gpus is None else str(gpus)
@@ -267,6 +266,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     if headroom is not None:
         annotate(report, headroom)
     if with_sensitivity and getattr(result, "problem", None) is not None:
+        from autotune.sensitivity import add_sensitivity
         params, _ = api.load_params(calibration, result.problem.cluster.gpu.name)
         add_sensitivity(report, result.problem, params, memory_limit_gb)
     finish_report(report, result.problem, export_to)

@@ -51,6 +51,40 @@ assert SAMPLED[:len(TABLE_KNOBS)] == TABLE_KNOBS
 EXTRA_STEPS = 2
 #: How many per-count tables of legal plans stay in memory (a GPU range may visit many counts).
 TABLE_CACHE = 32
+#: Entry bounds of the other look-up caches (prefix slices per table, legal values of the
+#: Optuna-only knobs, neighbour lists per plan)
+SLICE_CACHE = 1 << 16
+EXTRA_CACHE = 1 << 16
+NEIGHBOR_CACHE = 4096
+
+
+class LRU:
+    """The one cache policy of the plan space: a mapping bounded to `maxsize` entries that evicts
+    the least recently used one. Values are results of pure functions of their key."""
+
+    __slots__ = ("maxsize", "_d")
+
+    def __init__(self, maxsize: int):
+        self.maxsize = int(maxsize)
+        self._d: OrderedDict = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, key) -> bool:
+        return key in self._d
+
+    def get(self, key, compute: Callable):
+        """The cached value of `key`, else `compute()` stored under it."""
+        try:
+            self._d.move_to_end(key)
+            return self._d[key]
+        except KeyError:
+            pass
+        value = self._d[key] = compute()
+        if len(self._d) > self.maxsize:
+            self._d.popitem(last=False)
+        return value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,7 +173,8 @@ class _Table:
         order = np.lexsort(rows.T[::-1]) if len(rows) else np.empty(0, dtype=np.int64)
         self.rows = rows[order]
         self.stats: SpaceStats = stats
-        self._cache: dict = {}
+        self._slices = LRU(SLICE_CACHE)
+        self._values = LRU(SLICE_CACHE)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -152,20 +187,24 @@ class _Table:
         """Rows whose first len(prefix) knobs equal `prefix` (cached)."""
         if not prefix:
             return 0, len(self.rows)
-        hit = self._cache.get(prefix)
-        if hit is None:
-            lo, hi = self.slice_of(prefix[:-1])
-            hit = self.narrow(lo, hi, len(prefix) - 1, prefix[-1]) if hi > lo else (lo, lo)
-            self._cache[prefix] = hit
-        return hit
+        return self._slices.get(prefix, lambda: self._narrowed(prefix))
+
+    def _narrowed(self, prefix: tuple) -> tuple[int, int]:
+        lo, hi = self.slice_of(prefix[:-1])
+        return self.narrow(lo, hi, len(prefix) - 1, prefix[-1]) if hi > lo else (lo, lo)
 
     def values(self, prefix: tuple) -> np.ndarray:
-        """Legal values of knob number len(prefix) after `prefix`, sorted."""
+        """Legal values of knob number len(prefix) after `prefix`, sorted (cached: a short prefix
+        spans most of the table, and every trial asks for it again); int64, read-only."""
+        return self._values.get(prefix, lambda: self._distinct(prefix))
+
+    def _distinct(self, prefix: tuple) -> np.ndarray:
         lo, hi = self.slice_of(prefix)
         col = self.rows[lo:hi, len(prefix)]
-        if len(col) == 0:
-            return col
-        return col[np.concatenate(([True], col[1:] != col[:-1]))]
+        out = col[np.concatenate(([True], col[1:] != col[:-1]))] if len(col) else col
+        out = out.astype(np.int64)
+        out.flags.writeable = False
+        return out
 
     def batch(self, gpus: int, extras: dict) -> PlanBatch:
         arrays = {k: self.rows[:, i].astype(np.int32) for i, k in enumerate(TABLE_KNOBS)}
@@ -204,12 +243,14 @@ class PlanSpace:
     fixed: dict = field(default_factory=dict)
     distributions: dict = field(init=False)      # param name -> IntDistribution (sampling order)
     constants: dict = field(init=False)          # knobs with a single value in every count
-    _tables: OrderedDict = field(init=False, default_factory=OrderedDict)
-    _problems: dict = field(init=False, default_factory=dict)
-    _nonempty: dict = field(init=False, default_factory=dict)
-    _neighbors: dict = field(init=False, default_factory=dict)
-    _domain_cache: dict = field(init=False, default_factory=dict)
-    _extra_cache: OrderedDict = field(init=False, default_factory=OrderedDict)
+    # look-ups, all under one policy (`LRU`); `_stats` is a record (one entry per GPU count
+    # enumerated so far: its space statistics outlive an evicted table), not a cache
+    _tables: LRU = field(init=False, default_factory=lambda: LRU(TABLE_CACHE))
+    _problems: LRU = field(init=False, default_factory=lambda: LRU(TABLE_CACHE))
+    _neighbors: LRU = field(init=False, default_factory=lambda: LRU(NEIGHBOR_CACHE))
+    _extras: LRU = field(init=False, default_factory=lambda: LRU(EXTRA_CACHE))
+    _domains: LRU = field(init=False, default_factory=lambda: LRU(len(SAMPLED) + 1))
+    _stats: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self):
         self.counts = tuple(sorted(set(int(c) for c in self.counts)))
@@ -241,29 +282,23 @@ class PlanSpace:
         return len(self.counts) > 1
 
     def problem(self, n: int) -> Problem:
-        if n not in self._problems:
-            self._problems[n] = self.problem_for(n)
-        return self._problems[n]
+        return self._problems.get(n, lambda: self.problem_for(n))
 
     def table(self, n: int) -> _Table:
-        t = self._tables.get(n)
-        if t is None:
-            t = _Table(self.problem(n), self.fixed)
-            self._tables[n] = t
-            self._nonempty[n] = len(t) > 0
-            while len(self._tables) > TABLE_CACHE:
-                self._tables.popitem(last=False)
-        else:
-            self._tables.move_to_end(n)
+        return self._tables.get(n, lambda: self._new_table(n))
+
+    def _new_table(self, n: int) -> _Table:
+        t = _Table(self.problem(n), self.fixed)
+        self._stats[n] = t.stats
         return t
 
     def has_legal(self, n: int) -> bool:
-        if n not in self._nonempty:
-            self.table(n)
-        return self._nonempty[n]
+        return self.stats(n).legal > 0
 
     def stats(self, n: int) -> SpaceStats:
-        return self.table(n).stats
+        if n not in self._stats:
+            self.table(n)
+        return self._stats[n]
 
     def legal_plans(self, n: int) -> PlanBatch:
         """Every legal plan for n GPUs (the same set as `enumerate_legal`), sorted."""
@@ -277,14 +312,13 @@ class PlanSpace:
         """Space statistics summed over the GPU counts whose plans were enumerated so far."""
         total = legal = 0
         illegal: dict = {}
-        seen = [n for n in self.counts if n in self._nonempty]
+        seen = [n for n in self.counts if n in self._stats]
         for n in seen:
-            if n in self._tables:
-                st = self._tables[n].stats
-                total += st.total
-                legal += st.legal
-                for k, v in (st.illegal or {}).items():
-                    illegal[k] = illegal.get(k, 0) + v
+            st = self._stats[n]
+            total += st.total
+            legal += st.legal
+            for k, v in (st.illegal or {}).items():
+                illegal[k] = illegal.get(k, 0) + v
         return {"total": total, "legal": legal, "illegal": dict(sorted(illegal.items())),
                 "gpu_counts": len(self.counts), "gpu_counts_enumerated": len(seen)}
 
@@ -319,28 +353,21 @@ class PlanSpace:
             raise IllegalParams(f"{name} is sampled after {', '.join(missing)}")
         if name in OPTUNA_ONLY_KNOBS:
             return self._extra_values(n, name, prefix[:j])
-        return self.table(n).values(prefix[:j]).astype(np.int64)
+        return self.table(n).values(prefix[:j])
 
     def _extra_values(self, n: int, name: str, prefix: tuple) -> np.ndarray:
         """Legal values of an Optuna-only knob after a whole table plan and the extras before it:
         every rule checked on the candidates (later extras at 0, which is always legal)."""
-        key = (n, name, prefix)
-        hit = self._extra_cache.get(key)
-        if hit is not None:
-            return hit
-        k = len(TABLE_KNOBS)
-        lo, hi = self.table(n).slice_of(prefix[:k])
+        return self._extras.get((n, name, prefix), lambda: self._extra_values_uncached(n, name, prefix))
+
+    def _extra_values_uncached(self, n: int, name: str, prefix: tuple) -> np.ndarray:
+        lo, hi = self.table(n).slice_of(prefix[:len(TABLE_KNOBS)])
         if hi <= lo:
-            out = np.empty(0, dtype=np.int64)
-        else:
-            plan = dict(zip(SAMPLED, prefix))
-            plan.update({kn: 0 for kn in SAMPLED[len(prefix):]})
-            plan["dp"] = n // (plan["tp"] * plan["cp"] * plan["pp"])
-            out = legal_values_of(name, plan, self.problem(n), self.domain_values(name))
-        self._extra_cache[key] = out
-        while len(self._extra_cache) > 65536:
-            self._extra_cache.popitem(last=False)
-        return out
+            return np.empty(0, dtype=np.int64)
+        plan = dict(zip(SAMPLED, prefix))
+        plan.update({kn: 0 for kn in SAMPLED[len(prefix):]})
+        plan["dp"] = n // (plan["tp"] * plan["cp"] * plan["pp"])
+        return legal_values_of(name, plan, self.problem(n), self.domain_values(name))
 
     def project(self, name: str, value, params: dict) -> int:
         """The legal value of `name` nearest to `value`, given the knobs before it."""
@@ -416,11 +443,12 @@ class PlanSpace:
         distance, one entry per plan (cached per plan). With `max_steps`, only the moves of at most
         that many domain steps (exactly the plans nearer than max_steps + 1, much faster)."""
         names = list(self.distributions)
-        base = {k: int(params[k]) for k in names}
-        key = tuple(base[k] for k in names)
-        hit = self._neighbors.get((key, max_steps))
-        if hit is not None:
-            return hit
+        key = tuple(int(params[k]) for k in names)
+        return self._neighbors.get((key, max_steps), lambda: self._neighbors_uncached(key, max_steps))
+
+    def _neighbors_uncached(self, key: tuple, max_steps: int | None) -> list[tuple[int, dict]]:
+        names = list(self.distributions)
+        base = dict(zip(names, key))
         dom = {k: self.domain_values(k) for k in names}
         pos = {k: int(np.searchsorted(dom[k], base[k])) for k in names}
         best: dict = {}
@@ -464,11 +492,7 @@ class PlanSpace:
                     for ib, vb in enumerate(dom[kb]):
                         if ib != pos[kb]:
                             consider({ka: int(va), kb: int(vb)}, da + abs(ib - pos[kb]))
-        out = sorted(best.values(), key=lambda dc: dc[0])
-        if len(self._neighbors) > 4096:
-            self._neighbors.clear()
-        self._neighbors[(key, max_steps)] = out
-        return out
+        return sorted(best.values(), key=lambda dc: dc[0])
 
     def move(self, base: dict, moved: dict) -> tuple[dict, int] | None:
         """`base` with the knobs in `moved` set, and the later knobs this makes illegal repaired to
@@ -493,11 +517,7 @@ class PlanSpace:
         return cand, repair
 
     def domain_values(self, name: str) -> np.ndarray:
-        hit = self._domain_cache.get(name)
-        if hit is not None:
-            return hit
-        self._domain_cache[name] = out = self._domain_values_uncached(name)
-        return out
+        return self._domains.get(name, lambda: self._domain_values_uncached(name))
 
     def _domain_values_uncached(self, name: str) -> np.ndarray:
         if name == GPUS:

@@ -87,7 +87,7 @@ def test_distributions_derive_from_the_knob_domains(small_space):
     assert (space.distributions["zero"].low, space.distributions["zero"].high) == (0, 3)
 
 
-@pytest.mark.parametrize("sampler", ["tpe", "random", "nsga2", "cmaes"])
+@pytest.mark.parametrize("sampler", ["table", "tpe", "random", "nsga2", "cmaes"])
 def test_every_trial_is_a_legal_plan(small_space, sampler):
     spec, space = small_space
     s = osr.make_sampler(sampler, 3, space, 1)
@@ -249,7 +249,7 @@ def _trials(seed: int, sampler: str, n: int = 40) -> list[dict]:
     return [t.params for t in study.trials]
 
 
-@pytest.mark.parametrize("sampler", ["tpe", "random", "nsga2", "cmaes"])
+@pytest.mark.parametrize("sampler", ["table", "tpe", "random", "nsga2", "cmaes"])
 def test_same_seed_same_trials(sampler):
     a = _trials(7, sampler)
     assert a == _trials(7, sampler)
@@ -304,9 +304,10 @@ def test_journal_storage_and_grid_sampler_cover_every_plan_once(tmp_path):
 # Multi-objective: the Pareto front, confirmed by the exhaustive scorer
 # ---------------------------------------------------------------------------------------------
 
-def test_pareto_front_is_non_dominated_among_all_legal_plans():
+@pytest.mark.parametrize("sampler", ["tpe", "table"])
+def test_pareto_front_is_non_dominated_among_all_legal_plans(sampler):
     spec = StudySpec(**{**SMALL, "gpus": "8-32:pow2"}, fixed=PINNED, objectives=("tokens_per_s", "gpus"),
-                     sampler="tpe", seed=0, batch_size=16)
+                     sampler=sampler, seed=0, batch_size=16)
     res = optuna_search(spec, n_trials=300)
     front = res.extra["optuna"]["pareto_front"]
     assert front and all(f["fits"] for f in front)
@@ -378,7 +379,7 @@ def test_cli_search_optuna_json(tmp_path):
     for key in ("best", "top", "space", "elapsed_s", "explanation", "optuna", "strategy_choice"):
         assert key in rep
     o = rep["optuna"]
-    assert rep["strategy"] == "optuna" and o["sampler"] == "tpe" and o["seed"] == 1 and o["n_trials"] == 40
+    assert rep["strategy"] == "optuna" and o["sampler"] == "table" and o["seed"] == 1 and o["n_trials"] == 40
     assert o["storage"] == "memory" and o["objectives"][0]["name"] == "tokens_per_s"
     assert rep["best"]["fits"]
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".html", ".json", ".md"]
@@ -622,3 +623,63 @@ def test_api_search_is_one_path_for_every_strategy():
     assert opt.strategy == "optuna" and opt.best["plan"] == ref.best["plan"]
     with pytest.raises(SpecError):
         api.search(problem, strategy="optuna")
+
+
+# ---------------------------------------------------------------------------------------------
+# The table sampler (autotune/table_sampler.py)
+# ---------------------------------------------------------------------------------------------
+
+def _table_run(sampler: str) -> list:
+    spec = StudySpec(**{**SMALL, "gpus": "64", "global_batch": 256}, seed=0, sampler=sampler,
+                     fixed={"first_layers": 0, "last_layers": 0, "recompute_layers": 0}).resolved()
+    space = spec.build_space()                              # 18,980 legal plans
+    study, _ = osr.create_study(spec, storage_url=None, study_name=None,
+                                sampler=osr.make_sampler(sampler, 0, space, 1))
+    osr.run_batches(study, space, BatchScorer(space, spec.params(), None), spec.objectives, n_trials=96,
+                    timeout_s=None, batch_size=8, sampler_name=sampler)
+    return study.trials
+
+
+def test_table_sampler_never_repeats_a_plan_and_its_surrogate_learns():
+    """Every trial of a batched run is a different legal plan; after the start-up trials the
+    surrogate's picks are far better than random plans (median tokens/s; 3.6x when written)."""
+    trials = _table_run("table")
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    keys = [tuple(sorted(t.params.items())) for t in trials]
+    assert len(done) == 96 and len(set(keys)) == len(keys)
+    random = [t.values[0] for t in _table_run("random") if t.state == optuna.trial.TrialState.COMPLETE]
+    assert np.median([t.values[0] for t in done[48:]]) > 2 * np.median(random)
+
+
+def test_table_sampler_lookup_prediction_equals_the_feature_matrix():
+    from autotune.table_sampler import RIDGE, TableSampler
+    spec = StudySpec(model="mixtral-8x7b", gpu="h100", gpus="64", global_batch=256, seq_len=4096).resolved()
+    space = spec.build_space()
+    ts = TableSampler(space, seed=0)
+    rng = np.random.default_rng(0)
+    cands = ts._candidates(rng, np.empty(0, np.int64))
+    vecs = cands[:40]
+    fits = np.stack([rng.normal(size=40), rng.normal(size=40), np.full(40, 0.2)], axis=1)
+    x = ts._features(vecs)
+    reg = RIDGE * np.eye(x.shape[1])
+    reg[0, 0] = 0.0
+    pred = ts._features(cands) @ np.linalg.solve(x.T @ x + reg, x.T @ fits[:, :2])
+    want = np.where(pred[:, 1] <= 0.2, -pred[:, 0], -pred[:, 0] - 1e3)
+    np.testing.assert_allclose(ts._ridge_score(cands, vecs, fits), want, atol=1e-9)
+
+
+def test_table_sampler_with_two_objectives_proposes_legal_untried_plans(small_space):
+    spec, space = small_space
+    study = optuna.create_study(sampler=osr.make_sampler("table", 1, space, 2), directions=["maximize", "minimize"])
+    problem = space.problem(8)
+    seen = set()
+    for _ in range(40):
+        trial = study.ask()
+        n, plan = space.suggest(trial)
+        legal, counts = check_rows({f: np.array([plan[f]]) for f in PLAN_FIELDS}, problem)
+        assert legal[0], (plan, counts)
+        key = tuple(sorted(trial.params.items()))
+        assert key not in seen
+        seen.add(key)
+        rng = np.random.default_rng(trial.number)
+        study.tell(trial, [float(rng.random()), float(rng.random())])

@@ -1,0 +1,67 @@
+"""The compiled scorers kept on disk (`autotune.scoring.compiled`, issue 9): a warm start reads the
+executable instead of tracing and lowering the cost model; the scores are the same, and a bad file is
+dropped and the scorer compiled again."""
+from __future__ import annotations
+
+import numpy as np
+
+from autotune import scoring
+from autotune.api import build_problem
+from costmodels.params import EfficiencyParams
+from search_spaces.space import enumerate_legal
+
+
+def _case():
+    problem = build_problem(model="llama3-8b", gpu="h100", gpus=64, global_batch=256, seq_len=4096)
+    batch = next(enumerate_legal(problem)[0])
+    return scoring.Inputs(problem), batch.select(np.arange(min(len(batch), 300)))
+
+
+def test_executable_on_disk_gives_the_same_scores_and_a_bad_file_is_replaced(tmp_path, monkeypatch):
+    inp, batch = _case()
+    params = EfficiencyParams()
+    reference = scoring.score_summary(batch, inp, params)          # in-process (the usual path)
+    full_ref = scoring.score_full(batch.select(np.arange(5)), inp, params)
+    paths: dict = {}
+    monkeypatch.setattr(scoring, "_aot_path", lambda sig: paths.setdefault(sig, str(tmp_path / f"{len(paths)}.bin")))
+    monkeypatch.setattr(scoring, "_COMPILED", {})
+    fresh = scoring.score_summary(batch, inp, params)               # compiled, then written
+    files = sorted(tmp_path.glob("*.bin"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    monkeypatch.setattr(scoring, "_COMPILED", {})
+    loaded = scoring.score_summary(batch, inp, params)              # read back: no tracing
+    for got in (fresh, loaded):
+        np.testing.assert_array_equal(got[0], reference[0])
+        np.testing.assert_array_equal(got[1], reference[1])
+    full = scoring.score_full(batch.select(np.arange(5)), inp, params)
+    assert sorted(full) == sorted(full_ref) and all(np.array_equal(full[k], full_ref[k]) for k in full)
+    files[0].write_bytes(b"not an executable")                      # corrupt: compiled again, rewritten
+    monkeypatch.setattr(scoring, "_COMPILED", {})
+    again = scoring.score_summary(batch, inp, params)
+    np.testing.assert_array_equal(again[0], reference[0])
+    assert files[0].read_bytes() != b"not an executable"
+
+
+def test_no_cache_folder_keeps_executables_in_memory_only(monkeypatch, tmp_path):
+    monkeypatch.setattr(scoring, "_aot_path", lambda sig: None)
+    monkeypatch.setattr(scoring, "_COMPILED", {})
+    inp, batch = _case()
+    scoring.score_summary(batch, inp, EfficiencyParams())
+    assert len(scoring._COMPILED) == 1 and not any(tmp_path.iterdir())
+
+
+def test_an_executable_that_fails_to_run_is_deleted_and_the_jit_answers(tmp_path, monkeypatch):
+    inp, batch = _case()
+    params = EfficiencyParams()
+    reference = scoring.score_summary(batch, inp, params)
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"x")
+    monkeypatch.setattr(scoring, "_aot_path", lambda sig: str(bad))
+
+    def broken(*args):
+        raise RuntimeError("NOT_FOUND: Function fusion not found")
+
+    monkeypatch.setattr(scoring, "compiled", lambda name, jitted, args: broken)
+    got = scoring.score_summary(batch, inp, params)
+    np.testing.assert_array_equal(got[0], reference[0])
+    assert not bad.exists()
