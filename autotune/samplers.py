@@ -34,6 +34,8 @@ from optuna.trial import FrozenTrial, TrialState
 from costmodels.specs import SpecError
 from search_spaces.optuna_space import TABLE_KNOBS, PlanSpace
 
+from .table_sampler import pinned_params
+
 SAMPLERS = ("tpe", "table", "nsga2", "gp", "cmaes", "random", "grid")
 #: samplers that read `Trial.set_constraint` (Optuna 5 replaced `constraints_func` by it); CMA-ES
 #: does not, so it is told a penalized value
@@ -134,11 +136,15 @@ class LegalSampler(BaseSampler):
         if local is not None:
             return {k: v for k, v in local.items() if k in search_space}
         projected: dict = {}
+        # a queued trial's knobs (study.enqueue_trial's fixed params; a dead trial re-queued by
+        # RetryFailedTrialCallback carries the params it had suggested before it died: a prefix in
+        # sampling order) are pinned before the projection, so the rest is made legal around them
+        fixed = pinned_params(trial, self.space.distributions)
         for _ in range(1 + self.retries):
             proposal = self.base.sample_relative(study, trial, search_space)
             if not proposal:
                 return {}
-            projected = self.space.project_params(proposal)
+            projected = self.space.project_params({**proposal, **fixed})
             if len(projected) < len(self.space.distributions) or self._key(projected) not in self._tried(study, trial.number):
                 break
         else:
@@ -159,7 +165,8 @@ class LegalSampler(BaseSampler):
 
     def before_trial(self, study, trial: FrozenTrial) -> None:
         self.base.before_trial(study, trial)
-        if self._refines(trial.number) and len(study.directions) == 1:
+        # a queued trial's fixed knobs win over a local move (a move elsewhere could make them illegal)
+        if self._refines(trial.number) and len(study.directions) == 1 and not pinned_params(trial, self.space.distributions):
             move = self._local_move(study, trial.number)
             if move is not None:
                 self._proposals[trial.number] = move

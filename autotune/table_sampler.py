@@ -43,6 +43,12 @@ RIDGE = 1e-2                # ridge penalty of the surrogate's regressions
 NOISE_FLOOR = 1e-3          # least residual variance of log step time assumed by Thompson sampling
 
 
+
+def pinned_params(trial: FrozenTrial, names) -> dict:
+    """The knobs a trial starts with: enqueue_trial's fixed params and params a re-queued trial carries."""
+    given = {**(trial.system_attrs.get("fixed_params") or {}), **trial.params}
+    return {k: v for k, v in given.items() if k in names}
+
 class TableSampler(BaseSampler):
     """Proposes the untried legal plan with the best Parzen ratio l/g (see the module docstring)."""
 
@@ -75,7 +81,11 @@ class TableSampler(BaseSampler):
             return {}
         rng = np.random.default_rng(None if self.seed is None else [self.seed, trial.number])
         tried, done = self._history(study)
-        cands = self._candidates(rng, tried)
+        # a queued trial (study.enqueue_trial, or a dead trial's plan re-queued by RetryFailedTrialCallback,
+        # possibly only the knobs it had suggested before it died) keeps its fixed knobs: draw the rest
+        # from the legal plans that agree with them, so that the whole plan stays legal
+        fixed = {k: int(v) for k, v in pinned_params(trial, self.names).items()}
+        cands = self._candidates(rng, tried, fixed)
         if cands is None:
             return {}
         if len(done[0]) < self.n_startup_trials:
@@ -125,20 +135,35 @@ class TableSampler(BaseSampler):
                        np.array([r[2] for r in rows]), fits)
 
     # ---- candidates ----
-    def _candidates(self, rng: np.random.Generator, tried: np.ndarray) -> np.ndarray | None:
-        """Up to `candidates` untried legal plans as knob vectors [C, K] (None when all were tried)."""
-        counts = [n for n in self.space.counts if self.space.has_legal(n)]
+    def _candidates(self, rng: np.random.Generator, tried: np.ndarray, fixed: dict | None = None) -> np.ndarray | None:
+        """Up to `candidates` untried legal plans as knob vectors [C, K] (None when all were tried), only
+        those agreeing with `fixed` (knob -> value) on the table's knobs and the GPU count."""
+        fixed = fixed or {}
+        counts = [n for n in self.space.counts if self.space.has_legal(n) and fixed.get(GPUS, n) == n]
         if not counts:
             return None
-        sizes = np.array([len(self.space.table(n)) for n in counts], dtype=np.float64)
+        pinned = [(TABLE_KNOBS.index(k), v) for k, v in fixed.items() if k in TABLE_KNOBS]
+
+        def allowed(n):
+            rows = self.space.table(n).rows
+            if not pinned:
+                return None, len(rows)
+            ok = np.flatnonzero(np.all([rows[:, c] == v for c, v in pinned], axis=0))
+            return ok, len(ok)
+        subsets = [allowed(n) for n in counts]
+        sizes = np.array([sz for _, sz in subsets], dtype=np.float64)
+        if sizes.sum() == 0:
+            return None
         per = rng.multinomial(self.candidates, sizes / sizes.sum()) if len(counts) > 1 else [self.candidates]
         parts = []
         extras = self.space.enumerated_extras()
-        for n, k, size in zip(counts, per, sizes.astype(int)):
-            if k == 0:
+        for n, k, size, (ok, _) in zip(counts, per, sizes.astype(int), subsets):
+            if k == 0 or size == 0:
                 continue
             rows = self.space.table(n).rows
             idx = rng.permutation(size)[:k] if size <= 4 * k else rng.integers(size, size=k)
+            if ok is not None:
+                idx = ok[idx]
             cols = []
             for name in self.names:
                 if name == GPUS:

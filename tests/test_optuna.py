@@ -683,3 +683,34 @@ def test_table_sampler_with_two_objectives_proposes_legal_untried_plans(small_sp
         seen.add(key)
         rng = np.random.default_rng(trial.number)
         study.tell(trial, [float(rng.random()), float(rng.random())])
+
+
+@pytest.mark.parametrize("kind", ["table", "tpe"])
+def test_a_requeued_partial_plan_is_completed_legally(kind):
+    """A dead worker's trial is re-queued by RetryFailedTrialCallback with only the knobs it had
+    suggested (a prefix in sampling order): the samplers pin them and make the rest legal around them
+    (a sigkilled-worker test once failed 1 run in 4 on an illegal completion)."""
+    from autotune.table_sampler import TableSampler
+    spec = StudySpec(**SMALL, seed=0).resolved()
+    space = spec.build_space()
+    base = TableSampler(space, seed=0) if kind == "table" else \
+        optuna.samplers.TPESampler(seed=0, multivariate=True, n_startup_trials=4)
+    study = optuna.create_study(sampler=LegalSampler(base, space, refine=0.4, seed=0), direction="minimize")
+    scorer = BatchScorer(space, spec.params(), None)
+    problem = space.problem(8)
+    names = list(space.distributions)
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        if i >= 8 and i % 2 == 0:                # a prefix of a finished plan whose tail differs from the best
+            donor = study.trials[int(rng.integers(len(study.trials)))]
+            cut = int(rng.integers(1, len(names) - 1))
+            prefix = {k: donor.params[k] for k in names[:cut]}
+            study.add_trial(optuna.trial.create_trial(
+                state=optuna.trial.TrialState.WAITING, params=prefix,
+                distributions={k: donor.distributions[k] for k in prefix}))
+        trial = study.ask()
+        n, plan = space.suggest(trial)
+        legal, _ = check_rows({f: np.array([plan[f]]) for f in PLAN_FIELDS}, problem)
+        assert legal[0], (trial.number, trial.params)
+        step, _ = scorer.score(np.array([n]), PlanBatch({f: np.array([plan[f]], dtype=np.int32) for f in PLAN_FIELDS}))
+        study.tell(trial, float(step[0]))

@@ -161,7 +161,8 @@ def test_a_sigkilled_worker_is_resumed_with_nothing_lost(tmp_path, monkeypatch, 
     assert out["run"]["zombies_failed"] == len(running)
     assert sorted(t.number for t in after) == list(range(len(after)))            # no trial lost or doubled
     complete = [t for t in after if t.state == TrialState.COMPLETE]
-    assert {t.number for t in complete} >= done and len(complete) == len(done) + 8 + len(running)
+    assert {t.number for t in complete} >= done and len(complete) == len(done) + 8 + len(running), (
+        out["run"], [(t.number, t.state.name, t.params, t.user_attrs) for t in after if t.state != TrialState.COMPLETE])
     assert {t.number for t in after if t.state == TrialState.FAIL} == running
     assert not [t for t in after if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     assert running <= {t.system_attrs.get("failed_trial") for t in complete}   # each dead plan scored again
