@@ -5,8 +5,17 @@ through one jitted function; only step time and peak memory come back to the hos
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
+import os
+import pathlib
+import pickle
+import uuid
+
 import numpy as np
 import jax
+from jax.experimental import serialize_executable
 
 from costmodels import model as cm
 from costmodels.breakdown import Memory, StepTime, flatten
@@ -23,7 +32,6 @@ def enable_compile_cache() -> str | None:
     """Keep XLA's compiled scorer on disk between processes (JAX's persistent compilation cache):
     the first run compiles (~2-6 s), later runs load it. AUTOTUNE_JAX_CACHE sets the folder;
     set it to an empty string to disable."""
-    import os
     path = os.environ.get("AUTOTUNE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "autotune", "jax"))
     if not path or not writable_dir(path):      # a read-only cache would warn on every compile
         return None
@@ -46,9 +54,8 @@ _COMPILED: dict = {}
 _CODE = ("costmodels", "autotune/scoring.py")
 
 
+@functools.cache
 def _code_hash() -> str:
-    import hashlib
-    import pathlib
     root = pathlib.Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for part in _CODE:
@@ -62,8 +69,6 @@ def _code_hash() -> str:
 def _aot_path(sig: tuple) -> str | None:
     """Where the executable of `sig` is kept: next to JAX's persistent compilation cache (None when
     that cache is off). The name hashes the signature, the code, JAX's version, the device and XLA_FLAGS."""
-    import hashlib
-    import os
     folder = jax.config.jax_compilation_cache_dir
     if not folder:
         return None
@@ -84,9 +89,6 @@ def compiled(name: str, jitted, args: tuple):
     compiled once (and written for the next process). A warm start skips JAX's tracing and lowering
     of the cost model (~0.5 s per scorer, which JAX's own cache cannot skip: its key is the lowered
     program). The file lives in the user's compilation cache folder, as JAX's executables do."""
-    import os
-    import pickle
-    from jax.experimental import serialize_executable
     sig = _signature(name, args)
     hit = _COMPILED.get(sig)
     if hit is not None:
@@ -113,11 +115,6 @@ def _compile_and_keep(jitted, args: tuple, path: str):
     must not come from that cache: the function is renamed with a nonce, which changes the lowered
     module's name and so JAX's cache key (JAX then stores that one entry too, unused). If the copy
     still fails, the executable serves this process only and nothing is written."""
-    import contextlib
-    import os
-    import pickle
-    import uuid
-    from jax.experimental import serialize_executable
     fn = getattr(jitted, "__wrapped__", jitted)
 
     def fresh(*a):
@@ -150,10 +147,9 @@ def run_compiled(name: str, jitted, args: tuple):
     try:
         return jax.block_until_ready(exe(*args))      # a bad executable fails here, not in the caller
     except Exception:
-        import contextlib
-        import os
-        path = _aot_path(_signature(name, args))
-        _COMPILED.pop(_signature(name, args), None)
+        sig = _signature(name, args)
+        path = _aot_path(sig)
+        _COMPILED.pop(sig, None)
         if path:
             with contextlib.suppress(OSError):
                 os.remove(path)

@@ -49,6 +49,7 @@ def pinned_params(trial: FrozenTrial, names) -> dict:
     given = {**(trial.system_attrs.get("fixed_params") or {}), **trial.params}
     return {k: v for k, v in given.items() if k in names}
 
+
 class TableSampler(BaseSampler):
     """Proposes the untried legal plan with the best Parzen ratio l/g (see the module docstring)."""
 

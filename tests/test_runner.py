@@ -43,10 +43,15 @@ def results():
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
                **({"JAX_COMPILATION_CACHE_DIR": cache} if cache else {}),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, WORKER, json.dumps(CASES)], capture_output=True, text=True, env=env,
-                          timeout=900, cwd=ROOT)
+    return worker_json_lines([WORKER, json.dumps(CASES)], len(CASES), env, timeout=900)
+
+
+def worker_json_lines(argv: list, n: int, env: dict, timeout: float) -> list:
+    """Run `python argv...` in its own process (its XLA_FLAGS set before JAX starts) and return the n
+    JSON lines it prints, one per case; fail with the end of its stderr when it printed fewer."""
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert len(lines) == len(CASES), f"worker failed (rc={proc.returncode}): {proc.stderr[-2000:]}"
+    assert len(lines) == n, f"worker failed (rc={proc.returncode}): {proc.stderr[-2000:]}"
     return lines
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.test_runner import worker_json_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: (model of the benchmark, plan): dense without recompute, ZeRO-1 over DP, selective recompute, MoE (the
@@ -38,11 +38,7 @@ for name, plan in json.loads(sys.argv[1]):
 def rows():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}     # the benchmark sets its own
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=ROOT)
-    out = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert len(out) == len(CASES), f"worker failed (rc={proc.returncode}): {proc.stderr[-2000:]}"
-    return out
+    return worker_json_lines(["-c", _SCRIPT, json.dumps(CASES)], len(CASES), env, timeout=600)
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{m.split()[0]}{'-moe' if 'MoE' in m else ''}-{p}"
