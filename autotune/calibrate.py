@@ -28,7 +28,7 @@ from .validate import case_from_row, measured_value
 #: not observable from throughput, so they stay at their documented values)
 DEFAULT_FIT = (
     "gemm_eff_max", "gemm_eff_max_fp8", "gemm_dim_half", "attn_eff_max", "hbm_eff",
-    "kernel_overhead_s", "intra_bw_eff", "inter_bw_eff", "dp_overlap", "tp_comm_overlap",
+    "kernel_overhead_s", "host_op_s", "intra_bw_eff", "inter_bw_eff", "dp_overlap", "tp_comm_overlap",
     "pp_overlap", "step_overhead_s", "microbatch_overhead_s", "collective_latency_s", "zero3_bw_eff",
     "moe_imbalance", "ep_overlap", "elementwise_bytes_h", "elementwise_bytes_f", "lp_cast_bytes",
     "softmax_bytes_per_score",

@@ -9,7 +9,8 @@ TIME_LABELS = {
     "compute": "compute", "recompute": "recomputation", "tp_comm": "exposed TP communication",
     "cp_comm": "exposed CP (ring attention) exchange", "ep_comm": "exposed MoE all-to-all",
     "pp_comm": "exposed pipeline p2p", "dp_comm": "exposed DP gradient sync",
-    "bubble": "pipeline bubble", "optimizer": "optimizer step", "overhead": "fixed per-step overhead",
+    "bubble": "pipeline bubble", "optimizer": "optimizer step",
+    "host_wait": "GPU waiting for the host to issue kernels", "overhead": "fixed per-step overhead",
 }
 
 

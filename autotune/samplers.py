@@ -20,7 +20,6 @@ region at the memory limit:
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
 
@@ -34,13 +33,9 @@ from optuna.trial import FrozenTrial, TrialState
 from costmodels.specs import SpecError
 from search_spaces.optuna_space import TABLE_KNOBS, PlanSpace
 
+from .sampler_names import CONSTRAINT_AWARE, DEFAULT_SAMPLER, SAMPLERS, check_sampler  # noqa: F401 (re-exported)
 from .table_sampler import pinned_params
 
-SAMPLERS = ("tpe", "table", "nsga2", "gp", "cmaes", "random", "grid")
-#: samplers that read `Trial.set_constraint` (Optuna 5 replaced `constraints_func` by it); CMA-ES
-#: does not, so it is told a penalized value
-CONSTRAINT_AWARE = ("tpe", "table", "nsga2", "gp")
-DEFAULT_SAMPLER = "table"
 #: TPE settings (tests/benchmarks/bench_optuna.py): 16 random start-up trials, 48 candidates per
 #: acquisition, multivariate with a constant liar for the batch; 70 % of the later trials are local
 #: moves from the 3 best plans; a repeated plan is re-asked up to 3 times
@@ -53,24 +48,8 @@ TPE_RETRIES = 3
 TABLE_REFINE = 0.4
 CMAES_STARTUP_TRIALS = 10
 NSGA2_MIN_POPULATION = 20
-_ALIASES = {"nsgaii": "nsga2", "cma": "cmaes", "bruteforce": "grid"}
 #: local moves are looked for among the moves of at most 1, then 2, 4 domain steps, then all
 _MOVE_STEPS = (1, 2, 4, None)
-
-
-def check_sampler(name: str, n_objectives: int) -> str:
-    key = str(name).strip().lower().replace("-", "").replace("_", "")
-    key = _ALIASES.get(key, key)
-    if key not in SAMPLERS:
-        raise SpecError("sampler", f"unknown sampler {name!r}; choose from {', '.join(SAMPLERS)}")
-    if key == "cmaes":
-        if n_objectives > 1:
-            raise SpecError("sampler", "cmaes optimizes one objective; use tpe or nsga2 for several")
-        if importlib.util.find_spec("cmaes") is None:
-            raise SpecError("sampler", "cmaes needs the cmaes package: pip install cmaes")
-    if key == "gp" and importlib.util.find_spec("torch") is None:
-        raise SpecError("sampler", "gp (Optuna's GPSampler) needs PyTorch: pip install torch; or use tpe")
-    return key
 
 
 def make_sampler(name: str, seed: int | None, space: PlanSpace, n_objectives: int) -> BaseSampler:

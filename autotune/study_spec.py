@@ -14,7 +14,7 @@ from search_spaces.space import Problem
 from .objectives import parse_objectives
 from .measurements import load_params
 from .problem import build_problem
-from .samplers import DEFAULT_SAMPLER, check_sampler
+from .sampler_names import DEFAULT_SAMPLER, check_sampler
 from .scoring import SMALL_CHUNK
 
 DEFAULT_BATCH = 8

@@ -108,7 +108,7 @@ def choose(strategy: str, *, gpus, objectives, optuna_options: list[str],
     req = str(strategy).strip().lower()
     if req == "exhaustive" and optuna_options:
         raise SpecError(optuna_options[0], "applies to --strategy optuna or auto, not exhaustive")
-    osr = _osr()
+    from autotune import strategy as osr            # the choice without importing Optuna
     if req == "auto" and optuna_options:
         osr.choose_strategy("optuna", gpus=gpus, objectives=objectives)      # checks the arguments
         return osr.StrategyChoice("optuna", f"Optuna options given ({', '.join(optuna_options)})")

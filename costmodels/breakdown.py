@@ -22,6 +22,7 @@ class StepTime(NamedTuple):
     dp_comm: object        # exposed data-parallel gradient / parameter collectives
     bubble: object         # pipeline fill and drain
     optimizer: object      # the (memory-bound) optimizer step
+    host_wait: object      # GPU idle while the host issues the kernels (host-bound stages)
     overhead: object       # per-step and per-micro-batch host work
 
 

@@ -39,6 +39,16 @@ ROUTER_BYTES_PER_EXPERT = 4.0 * 2.0
 #: kernels a dense layer launches forward with Transformer Engine (norms, GEMMs, attention, rope,
 #: activation, residuals, casts); backward launches about twice as many
 KERNELS_PER_LAYER = 14.0
+#: unfused attention runs baddbmm (QK^T), scale-mask-softmax, dropout, bmm (PV) and the context's
+#: permute copy where a fused kernel runs one [K22 sec. 4.1; Megatron-LM legacy CoreAttention]
+UNFUSED_ATTENTION_EXTRA_KERNELS = 4.0
+#: collectives a layer forward launches per parallelism: TP 2 all-reduces (SP: 2 all-gathers +
+#: 2 reduce-scatters) [N21 sec. 2.3, K22 sec. 4.2.2]; EP a dispatch and a combine all-to-all [GS]
+TP_COLLECTIVES_PER_LAYER = 2.0
+EP_COLLECTIVES_PER_MOE_LAYER = 2.0
+#: host time of a layer's backward per unit of its forward's: autograd's C++ engine issues about two
+#: kernels per forward op (dgrad, wgrad) without the forward's Python module calls
+HOST_BWD_PER_FWD = 1.0
 #: activations move in bf16
 ACT_BYTES = 2.0
 
@@ -134,8 +144,10 @@ class LayerWork(NamedTuple):
     elem_attn: object        # memory-bound work around attention (norms, residual, rope, casts)
     elem_dense: object       # activation function of a dense MLP (+ fp8 casts)
     elem_moe: object         # expert activations, (un)permute, router softmax/top-k (+ fp8 casts)
-    kernels_dense: object    # launch + tail of a dense layer's kernels
+    kernels_dense: object    # launch + tail of a dense layer's kernels (GPU side)
     kernels_moe: object
+    host_dense: object       # host time to issue a dense layer's forward ops (eager framework)
+    host_moe: object
 
 
 def _gemm(S: Shapes, H: dict, J: dict, e: EfficiencyParams):
@@ -217,15 +229,24 @@ def moe_kernels(S: Shapes, M: dict, J: dict):
     return MOE_EXTRA_KERNELS + local * per_expert
 
 
+def layer_kernels(S: Shapes, M: dict, J: dict):
+    """Kernels (collectives included) a dense and an MoE layer launch forward, per micro-batch."""
+    dense = (KERNELS_PER_LAYER + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS
+             + (S.tp > 1) * TP_COLLECTIVES_PER_LAYER * (1.0 + S.sp))
+    moe = dense + moe_kernels(S, M, J) + (S.ep > 1) * EP_COLLECTIVES_PER_MOE_LAYER
+    return dense, moe
+
+
 def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> LayerWork:
     elem_attn, elem_dense, elem_moe = elementwise_s(S, M, H, J, e)
     mlp_moe, mlp_moe_shared = moe_mlp_s(S, M, H, J, e)
-    kern = KERNELS_PER_LAYER * e.kernel_overhead_s
+    n_dense, n_moe = layer_kernels(S, M, J)
     return LayerWork(
         attn_proj=attention_projections_s(S, M, H, J, e), attn_core=attention_core_s(S, M, H, J, e),
         mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=dense_mlp_s(S, M, H, J, e),
         mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, elem_dense=elem_dense, elem_moe=elem_moe,
-        kernels_dense=kern, kernels_moe=kern + moe_kernels(S, M, J) * e.kernel_overhead_s)
+        kernels_dense=n_dense * e.kernel_overhead_s, kernels_moe=n_moe * e.kernel_overhead_s,
+        host_dense=n_dense * e.host_op_s, host_moe=n_moe * e.host_op_s)
 
 
 class LayerTimes(NamedTuple):

@@ -46,7 +46,8 @@ def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head):
         + n * ((1.0 - fm) * r.mlp * MLP_SHARE_OF_TP_COMM * lc.tp_dense
                + fm * r.moe * MLP_SHARE_OF_TP_COMM * lc.tp_moe),
         cp=n * (lc.cp_fwd + lc.cp_bwd) + n_rec * lc.cp_fwd,
-        ep=n * fm * 2.0 * lc.ep_fwd + (n_rec + n * r.moe) * fm * lc.ep_fwd)
+        ep=n * fm * 2.0 * lc.ep_fwd + (n_rec + n * r.moe) * fm * lc.ep_fwd,
+        host=(n * (1.0 + compute.HOST_BWD_PER_FWD) + n_rec) * ((1.0 - fm) * w.host_dense + fm * w.host_moe))
 
 
 def _moe_shares(S, M, st):
@@ -61,8 +62,15 @@ def _moe_shares(S, M, st):
     return fm1, jnp.where((dense_first > 0) & (S.pp > 1), fm_rest, fm)
 
 
-def _total(st: dict):
+def _gpu(st: dict):
     return st["compute"] + st["recompute"] + st["tp"] + st["cp"] + st["ep"]
+
+
+def _total(st: dict):
+    """A stage's micro-batch: an eager framework's host issues the kernels asynchronously, so the
+    GPU's work hides the host's dispatch time, and the GPU waits when the host is slower (small
+    layers, many kernels: the reason for CUDA graphs)."""
+    return jnp.maximum(_gpu(st), st["host"])
 
 
 def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams) -> Prediction:
@@ -115,7 +123,8 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
                     tp_comm=m * slowest.pick(first["tp"], mid["tp"], last["tp"]),
                     cp_comm=m * slowest.pick(first["cp"], mid["cp"], last["cp"]),
                     ep_comm=m * slowest.pick(first["ep"], mid["ep"], last["ep"]),
-                    pp_comm=pp_comm, dp_comm=dp_comm, bubble=bubble, optimizer=t_opt, overhead=overhead)
+                    pp_comm=pp_comm, dp_comm=dp_comm, bubble=bubble, optimizer=t_opt,
+                    host_wait=m * (t_max - slowest.pick(_gpu(first), _gpu(mid), _gpu(last))), overhead=overhead)
 
     # ---- FLOPs ----
     n_mid_all = jnp.maximum(S.pp - 2.0, 0.0)

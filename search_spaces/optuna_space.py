@@ -28,16 +28,18 @@ import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
-import optuna
-from optuna.distributions import IntDistribution
 
 from costmodels.plan import PLAN_FIELDS, PlanBatch
 from costmodels.specs import SpecError
 
 from .space import KNOBS, OPTUNA_ONLY_KNOBS, Problem, SpaceStats, domains, enumerate_legal, legal_values_of
+
+if TYPE_CHECKING:        # Optuna is imported where a study uses the space (0.1-0.3 s to import)
+    import optuna
+    from optuna.distributions import IntDistribution
 
 #: The parameter name of the GPU count when it is a knob.
 GPUS = "gpus"
@@ -534,5 +536,6 @@ class PlanSpace:
 
 
 def _int_distribution(values) -> IntDistribution:
+    from optuna.distributions import IntDistribution
     lo, hi = int(min(values)), int(max(values))
     return IntDistribution(lo, hi, log=bool(lo >= 1 and hi >= 4 * lo))

@@ -223,8 +223,9 @@ def test_larger_batch_advice_is_checked():
     rep = cap.capacity_plan(req)
     (advice,) = rep["advice"]
     assert "global batch 128" in advice or "(128:" in advice, advice
-    days = float(advice.split("128: ")[1].split(" days on ")[0])
-    gpus = int(advice.split(" days on ")[1].split(" GPUs")[0])
+    quoted = advice.split("128: ")[1]            # "28.1 days on 16384 GPUs)": the advice quotes another count first
+    days = float(quoted.split(" days on ")[0])
+    gpus = int(quoted.split(" days on ")[1].split(" GPUs")[0])
     again = cap.capacity_plan(cap.CapacityRequest(model="llama3-8b", tokens=1e13, gpus=("h100",), global_batch=128,
                                                   seq_len=4096, min_gpus=gpus, max_gpus=gpus))
     assert again["per_gpu"][0]["rows"][0]["wall_days"] == pytest.approx(days, abs=0.05)
