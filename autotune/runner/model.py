@@ -194,7 +194,10 @@ def ring_attention_block(q, k, v, *, axis: str, axis_size: int):
         kpos = ((r - i) % axis_size) * sq + jnp.arange(sq)
         s = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k).astype(jnp.float32) / math.sqrt(d)
         s = jnp.where(qpos[:, None] >= kpos[None, :], s, -1e30)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        # the running max only keeps exp() finite: the output does not depend on it, so it takes no
+        # gradient (as in flash attention); differentiating it would keep an s x s f32 indicator of
+        # the max's location per hop beside the probabilities
+        m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=-1)
