@@ -194,7 +194,10 @@ def ring_attention_block(q, k, v, *, axis: str, axis_size: int):
         kpos = ((r - i) % axis_size) * sq + jnp.arange(sq)
         s = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k).astype(jnp.float32) / math.sqrt(d)
         s = jnp.where(qpos[:, None] >= kpos[None, :], s, -1e30)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        # the running max only keeps exp() finite: the output does not depend on it, so it takes no
+        # gradient (as in flash attention); differentiating it would keep an s x s f32 indicator of
+        # the max's location per hop beside the probabilities
+        m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=-1)
@@ -242,28 +245,67 @@ def route(x_tokens, router, top_k):
     return (gates / jnp.sum(gates, axis=-1, keepdims=True)), ids
 
 
-def experts_local(buf, e_gate, e_up, e_down):
-    """SwiGLU of each expert on its token buffer: buf [E, C, h] -> [E, C, h]."""
-    hid = swiglu_act(jnp.einsum("ech,ehf->ecf", buf, e_gate), jnp.einsum("ech,ehf->ecf", buf, e_up))
+@jax.custom_vjp
+def weighted_swiglu_act(gate, up, prob):
+    """prob * silu(gate) * up, the router probability of each expert slot applied inside the experts'
+    activation, keeping only the fc1 outputs and the probabilities for backward: Megatron-Core's
+    TEGroupedMLP with `weighted_bias_swiglu_impl` (megatron/core/transformer/moe/experts.py,
+    fused_weighted_bias_swiglu), so the combine (unpermute without probs) keeps nothing."""
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32) * prob[..., None]).astype(gate.dtype)
+
+
+def _wswiglu_fwd(gate, up, prob):
+    return weighted_swiglu_act(gate, up, prob), (gate, up, prob)
+
+
+def _wswiglu_bwd(res, dy):
+    gate, up, prob = res
+    g32, u32, dy32 = gate.astype(jnp.float32), up.astype(jnp.float32), dy.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g32)
+    act = g32 * sig * u32                                          # silu(gate) * up, recomputed
+    dact = dy32 * prob[..., None]
+    d_gate = dact * u32 * sig * (1.0 + g32 * (1.0 - sig))
+    return d_gate.astype(gate.dtype), (dact * g32 * sig).astype(up.dtype), jnp.sum(dy32 * act, axis=-1).astype(prob.dtype)
+
+
+weighted_swiglu_act.defvjp(_wswiglu_fwd, _wswiglu_bwd)
+
+
+def experts_local(buf, prob, e_gate, e_up, e_down):
+    """SwiGLU of each expert on its token buffer, weighted by each slot's router probability:
+    buf [E, C, h], prob [E, C] -> [E, C, h]."""
+    hid = weighted_swiglu_act(jnp.einsum("ech,ehf->ecf", buf, e_gate), jnp.einsum("ech,ehf->ecf", buf, e_up), prob)
     return jnp.einsum("ecf,efh->ech", hid, e_down)
 
 
-def moe_tokens(x_tokens, router, e_gate, e_up, e_down, *, num_experts, top_k,
-               exchange: Callable = None):
-    """Dropless top-k MoE of T tokens [T, h]: scatter each (token, choice) into a per-expert buffer
-    [E, C=T, h] (an expert sees a token at most once), run the experts, gather back, weight by the
-    gates. `exchange(buf, fn)` runs fn on the buffer where the experts live (identity here; the
-    expert-parallel runner does all_to_all -> local experts -> all_to_all)."""
+def moe_permute(x_tokens, router, *, num_experts, top_k):
+    """Route T tokens [T, h] and scatter each (token, choice) and its gate into per-expert buffers
+    [E, C=T, h] and [E, C] (an expert sees a token at most once, so every slot is written at most once
+    and the scatter is a linear add). Returns (buffer, probabilities, expert ids [T, k], slots [T, k])."""
     t, h = x_tokens.shape
     gates, ids = route(x_tokens, router, top_k)
-    onehot = jax.nn.one_hot(ids.reshape(-1), num_experts, dtype=jnp.int32)          # [T*k, E]
-    pos = (jnp.cumsum(onehot, axis=0) - 1)[jnp.arange(t * top_k), ids.reshape(-1)]   # slot in its expert
+    flat_ids = ids.reshape(-1)
+    onehot = jax.nn.one_hot(flat_ids, num_experts, dtype=jnp.int32)                  # [T*k, E]
+    pos = (jnp.cumsum(onehot, axis=0) - 1)[jnp.arange(t * top_k), flat_ids]          # slot in its expert
     tok = jnp.repeat(jnp.arange(t), top_k)
-    buf = jnp.zeros((num_experts, t, h), x_tokens.dtype).at[ids.reshape(-1), pos].set(x_tokens[tok])
-    run = lambda b_: experts_local(b_, e_gate, e_up, e_down)                         # noqa: E731
-    out_buf = run(buf) if exchange is None else exchange(buf, run)
-    picked = out_buf[ids.reshape(-1), pos].reshape(t, top_k, h)
-    return jnp.einsum("tkh,tk->th", picked.astype(jnp.float32), gates).astype(x_tokens.dtype)
+    buf = jnp.zeros((num_experts, t, h), x_tokens.dtype).at[flat_ids, pos].add(x_tokens[tok], unique_indices=True)
+    prob = jnp.zeros((num_experts, t), jnp.float32).at[flat_ids, pos].add(gates.reshape(-1), unique_indices=True)
+    return buf, prob, ids, pos.reshape(t, top_k)
+
+
+def moe_unpermute(out_buf, ids, pos, dtype):
+    """Gather each token's k expert outputs [E, C, h] -> [T, h] and sum them (the gates were applied in
+    the experts: Megatron-Core's unpermute without probs keeps nothing for backward)."""
+    picked = out_buf[ids, pos]                                                       # [T, k, h]
+    return jnp.sum(picked.astype(jnp.float32), axis=1).astype(dtype)
+
+
+def moe_tokens(x_tokens, router, e_gate, e_up, e_down, *, num_experts, top_k):
+    """Dropless top-k MoE of T tokens [T, h] on one device: permute, experts (the gates applied in their
+    activation, as Megatron-Core does), unpermute. The expert-parallel runner splits the same steps
+    around two all_to_alls."""
+    buf, prob, ids, pos = moe_permute(x_tokens, router, num_experts=num_experts, top_k=top_k)
+    return moe_unpermute(experts_local(buf, prob, e_gate, e_up, e_down), ids, pos, x_tokens.dtype)
 
 
 def moe_block(x, p, dm: Dims, moe_dispatch=None):

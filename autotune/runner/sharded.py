@@ -251,20 +251,36 @@ class ShardedModel:
             return None
         dm = self.dm
         tok = P(BATCH, ("cp", "tp"), None)
-        wsp = P("ep", None, None)
+        # the experts' buffers after the exchange: experts over "ep", the slots of the other ranks' tokens
+        slots = ("dp", "cp", "tp")
+        ebuf, eprob = P("ep", slots, None), P("ep", slots)
 
-        def exchange(buf, run):
-            buf = jax.lax.all_to_all(buf, "ep", 0, 1, tiled=True)     # [E, C, h] -> [E/ep, ep*C, h]
-            out = run(buf)
-            return jax.lax.all_to_all(out, "ep", 1, 0, tiled=True)    # back to [E, C, h]
-
-        def local(x, router, eg, eu, ed):
+        def dispatch(x, router):
+            # tokens [E, C, h] -> [E/ep, ep*C, h] and their probabilities [E, C] -> [E/ep, ep*C]
+            # (Megatron-Core's AllToAll dispatcher sends both: token_dispatch's tokens and probs A2A)
             b, s, h = x.shape
-            y = M.moe_tokens(x.reshape(b * s, h), router, eg, eu, ed, num_experts=dm.num_experts,
-                             top_k=dm.top_k, exchange=exchange)
-            return y.reshape(b, s, h)
+            buf, prob, ids, pos = M.moe_permute(x.reshape(b * s, h), router, num_experts=dm.num_experts, top_k=dm.top_k)
+            buf, prob = (jax.lax.all_to_all(a, "ep", 0, 1, tiled=True) for a in (buf, prob))
+            return buf, prob, ids.reshape(b, s, -1), pos.reshape(b, s, -1)
 
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(tok, P(), wsp, wsp, wsp), out_specs=tok)
+        def combine(out, ids, pos):
+            b, s, k = ids.shape
+            out = jax.lax.all_to_all(out, "ep", 1, 0, tiled=True)        # back to [E, C, h]
+            y = M.moe_unpermute(out, ids.reshape(b * s, k), pos.reshape(b * s, k), out.dtype)
+            return y.reshape(b, s, -1)
+
+        send = jax.shard_map(dispatch, mesh=self.mesh, in_specs=(tok, P()), out_specs=(ebuf, eprob, tok, tok))
+        receive = jax.shard_map(combine, mesh=self.mesh, in_specs=(ebuf, tok, tok), out_specs=tok)
+
+        def moe(x, router, eg, eu, ed):
+            # the experts run outside the shard_maps, on their "ep" shards (no communication): as a
+            # shard_map's inputs, autodiff would return the weights as new residual buffers, and XLA
+            # would copy each layer's expert weights into the layer scan's residual stack
+            buf, prob, ids, pos = send(x, router)
+            out = self.wsc(M.experts_local(buf, prob, eg, eu, ed), ebuf)
+            return receive(out, ids, pos)
+
+        return moe
 
     # -- forward / loss --------------------------------------------------------------------------
     def _stack_fn(self):
@@ -320,7 +336,10 @@ class ShardedModel:
             for c in range(self.plan.vpp):
                 x = self._gpipe_pass(x, jax.tree.map(lambda w, c=c: w[:, c], weights["layers"]))
             outs = x
-        losses = jax.vmap(lambda x, t: M.head_loss(x, t, outer, self.shard, self.cdt))(outs, targets)
+        # the last stage's loss one micro-batch at a time (lax.map, not vmap): each keeps its fp32 logits
+        # until its backward, which then computes one micro-batch's logit gradient at a time (a vmap
+        # would differentiate all m at once: m logit gradients live together, twice)
+        losses = jax.lax.map(lambda xt: M.head_loss(xt[0], xt[1], outer, self.shard, self.cdt), (outs, targets))
         return jnp.mean(losses)
 
     def loss_and_grads(self, weights, tokens, targets):
