@@ -11,7 +11,7 @@ from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, format_plan
 from costmodels.specs import SpecError
 from search_spaces.space import Problem, binding_rules, enumerate_legal
 
-from .scoring import Inputs, plan_report, score_full, score_summary
+from .scoring import Inputs, plan_report, prefetch_full, score_full, score_summary
 
 
 class NoLegalPlan(SpecError):
@@ -102,6 +102,7 @@ def exhaustive(problem: Problem, params: EfficiencyParams | None = None, *, top_
     limit = inp.memory_limit_bytes
     stream, stats = enumerate_legal(problem, fixed)
     top = _TopK(max(top_k, 1) * 8)        # extra rows so a different-layout runner-up is in reach
+    prefetch_full(inp, params, max(top_k, 1) * 8)   # the breakdown scorer compiles while the space is scored
     closest = _TopK(1)
     n_fit = 0
     for batch in stream:

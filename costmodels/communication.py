@@ -101,7 +101,7 @@ def dp_groups(S: Shapes) -> DataParallelGroups:
 
 
 def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_expert, layers,
-                    lt: LayerTimes, stage_layers_s, H: dict, grad_bytes, e: EfficiencyParams):
+                    lt: LayerTimes, stage_layers_s, H: dict, grad_bytes, e: EfficiencyParams, idle_s=0.0):
     """Exposed gradient / parameter traffic per step of the stage with most parameters.
 
     ZeRO 0: all-reduce of gradients, overlapped with the last micro-batch's backward. ZeRO 1
@@ -122,8 +122,11 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     ag = C.all_gather_s(PARAM_GATHER_BYTES * pd, groups.dense, S.tp, H, link, lat) \
         + moe_on * C.all_gather_s(PARAM_GATHER_BYTES * pe, groups.expert, S.ep * S.etp, H, link, lat)
     fm = S.frac_moe
-    win_b = layers * ((1.0 - fm) * lt.bwd_dense + fm * lt.bwd_moe)    # last micro-batch backward
-    win_f = layers * ((1.0 - fm) * lt.fwd_dense + fm * lt.fwd_moe)    # first micro-batch forward
+    # last micro-batch backward, first micro-batch forward; the GPU's idle time in a host-bound
+    # micro-batch (idle_s) lengthens whichever pass it falls in: counted in both (an upper bound, and
+    # the form under which a faster GPU never exposes more traffic than it saves)
+    win_b = layers * ((1.0 - fm) * lt.bwd_dense + fm * lt.bwd_moe) + idle_s
+    win_f = layers * ((1.0 - fm) * lt.fwd_dense + fm * lt.fwd_moe) + idle_s
 
     def exposed(t, window):
         return t - jnp.minimum(e.dp_overlap * t, window)

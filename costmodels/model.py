@@ -108,8 +108,10 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     p_expert = biggest.pick(*(p.expert for p in params))
     groups = comm.dp_groups(S)
     layers_s = slowest.pick(t_first - first["ends"], t_mid, t_last - last["ends"])
+    # the GPU's idle time in a host-bound micro-batch is time the gradient / parameter traffic can use
+    idle = t_max - slowest.pick(_gpu(first), _gpu(mid), _gpu(last))
     dp_comm = comm.data_parallel_s(S, groups, p_dense, p_expert, biggest.pick(st.first, st.mid, st.last), lt,
-                                   layers_s, H, J["grad_bytes"], e)
+                                   layers_s, H, J["grad_bytes"], e, idle_s=idle)
     # the optimizer step is memory bound: bytes moved per local parameter (sharded with ZeRO >= 1)
     p_opt = memory.sharded(memory.StageParams(p_dense, p_expert), groups, S.zero >= 1)
     t_opt = p_opt * memory.OPTIMIZER_STEP_BYTES / (H["hbm_bw"] * e.hbm_eff)
@@ -124,7 +126,7 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
                     cp_comm=m * slowest.pick(first["cp"], mid["cp"], last["cp"]),
                     ep_comm=m * slowest.pick(first["ep"], mid["ep"], last["ep"]),
                     pp_comm=pp_comm, dp_comm=dp_comm, bubble=bubble, optimizer=t_opt,
-                    host_wait=m * (t_max - slowest.pick(_gpu(first), _gpu(mid), _gpu(last))), overhead=overhead)
+                    host_wait=m * idle, overhead=overhead)
 
     # ---- FLOPs ----
     n_mid_all = jnp.maximum(S.pp - 2.0, 0.0)

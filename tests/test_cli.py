@@ -134,6 +134,16 @@ def test_bad_input_is_refused_before_jax_is_imported(args):
     assert lines[1].strip() == "IMPORTED", proc.stderr
 
 
+def test_an_exhaustive_search_never_imports_optuna():
+    """The default search of a small space is exhaustive: it needs JAX, not Optuna (0.1-0.3 s to import)."""
+    probe = ("import sys\nfrom cli.main import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             "finally:\n    sys.stderr.write('IMPORTED ' + ' '.join(m for m in ('jax', 'optuna') if m in sys.modules) + '\\n')\n")
+    proc = subprocess.run([sys.executable, "-c", probe, "search", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8",
+                           "--json", "--no-save"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert '"strategy_choice"' in proc.stdout or '"best"' in proc.stdout, proc.stdout[-500:] + proc.stderr[-500:]
+    assert proc.stderr.strip().splitlines()[-1] == "IMPORTED jax", proc.stderr
+
+
 def test_version():
     result = run("--version")
     assert result.exit_code == 0

@@ -65,3 +65,41 @@ def test_an_executable_that_fails_to_run_is_deleted_and_the_jit_answers(tmp_path
     got = scoring.score_summary(batch, inp, params)
     np.testing.assert_array_equal(got[0], reference[0])
     assert not bad.exists()
+
+
+def test_a_prefetched_scorer_is_the_one_score_full_uses_and_scores_the_same(monkeypatch):
+    """`prefetch_full` compiles the breakdown scorer in a thread; `score_full` waits for that very
+    executable (no second compile) and its scores equal the direct path's."""
+    inp, batch = _case()
+    params = EfficiencyParams()
+    five = batch.select(np.arange(5))
+    reference = scoring.score_full(five, inp, params)
+    monkeypatch.setattr(scoring, "_aot_path", lambda sig: None)
+    monkeypatch.setattr(scoring, "_COMPILED", {})
+    monkeypatch.setattr(scoring, "_PENDING", {})
+    scoring.prefetch_full(inp, params, 5)
+    assert len(scoring._PENDING) == 1
+    ((thread, box),) = scoring._PENDING.values()
+    thread.join()
+    got = scoring.score_full(five, inp, params)
+    assert not scoring._PENDING and len(scoring._COMPILED) == 1
+    assert next(iter(scoring._COMPILED.values())) is box[0]
+    assert all(np.array_equal(got[k], reference[k]) for k in reference)
+
+
+def test_a_prefetch_that_fails_leaves_the_first_use_to_compile(monkeypatch):
+    inp, batch = _case()
+    params = EfficiencyParams()
+    monkeypatch.setattr(scoring, "_aot_path", lambda sig: None)
+    monkeypatch.setattr(scoring, "_COMPILED", {})
+    monkeypatch.setattr(scoring, "_PENDING", {})
+
+    class Broken:                                  # lowering fails in the background thread
+        def lower(self, *a):
+            raise RuntimeError("no")
+    scoring.prefetch("evaluate", Broken(), (batch.arrays, inp.model, inp.hw, inp.job, params))
+    ((thread, box),) = scoring._PENDING.values()
+    thread.join()
+    assert box == []
+    out = scoring.score_full(batch.select(np.arange(3)), inp, params)   # another shape: compiled on use
+    assert np.all(np.isfinite(out["step_time_s"]))
