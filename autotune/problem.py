@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from costmodels.plan import Plan, parse_plan_text
 from costmodels.presets import build_cluster, load_model
-from costmodels.specs import (AttentionBackend, DispatcherType, Framework, FrameworkSpec, JobSpec, PipelineSchedule,
-                              Precision, SpecError)
+from costmodels.specs import (AttentionBackend, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec,
+                              PipelineSchedule, Precision, SpecError, parse_cuda_graph_modules)
 from search_spaces.space import Problem, check_plan, complete_plan
 
 #: default tokens per optimizer step when --global-batch is omitted (Llama 3 / GPT-3 scale: ~4M)
@@ -45,7 +45,9 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    moe_token_dispatcher_type: str | None = None,
                    pipeline_schedule: str | None = None,
                    microbatch_grad_buffer: bool | None = None,
-                   moe_expert_capacity_factor: float | None = None) -> FrameworkSpec:
+                   moe_expert_capacity_factor: float | None = None,
+                   cuda_graph_impl: str | None = None,
+                   cuda_graph_modules: list | tuple | str | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
@@ -60,6 +62,10 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
         given["moe_token_dispatcher_type"] = DispatcherType.parse(moe_token_dispatcher_type)
     if pipeline_schedule is not None:
         given["pipeline_schedule"] = PipelineSchedule.parse(pipeline_schedule)
+    if cuda_graph_impl is not None or cuda_graph_modules:
+        impl = CudaGraphImpl.parse(cuda_graph_impl) if cuda_graph_impl is not None else CudaGraphImpl.NONE
+        mods = [cuda_graph_modules] if isinstance(cuda_graph_modules, str) else cuda_graph_modules
+        given["cuda_graph_modules"], given["cuda_graph_impl"] = parse_cuda_graph_modules(mods, impl)
     return FrameworkSpec(**given)
 
 

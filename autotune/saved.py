@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import fields
 
 from costmodels.plan import DEFAULT_RECOMPUTE_MODULES, Plan
-from costmodels.specs import (AttentionBackend, ClusterSpec, DispatcherType, Framework, FrameworkSpec, GPUSpec,
-                              JobSpec, ModelSpec, PipelineSchedule, Precision, Recompute, SpecError)
+from costmodels.specs import (AttentionBackend, ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, Framework,
+                              FrameworkSpec, GPUSpec, JobSpec, ModelSpec, PipelineSchedule, Precision, Recompute,
+                              SpecError)
 from search_spaces.space import Problem
 
 from .files import read_json
@@ -34,6 +35,11 @@ def _framework(job: dict) -> FrameworkSpec:
         v["moe_token_dispatcher_type"] = DispatcherType.parse(v["moe_token_dispatcher_type"])
     if "pipeline_schedule" in v:
         v["pipeline_schedule"] = PipelineSchedule.parse(v["pipeline_schedule"])
+    if "cuda_graph_impl" in v:
+        v["cuda_graph_impl"] = CudaGraphImpl.parse(v["cuda_graph_impl"])
+    if "cuda_graph_modules" in v:
+        mods = {CudaGraphModule.parse(m) for m in v["cuda_graph_modules"] or ()}
+        v["cuda_graph_modules"] = tuple(m for m in CudaGraphModule if m in mods)
     return FrameworkSpec(**v)
 
 def problem_from_report(report: dict, source: str = "report") -> Problem:

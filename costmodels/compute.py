@@ -23,9 +23,14 @@ import jax.numpy as jnp
 
 from .params import EfficiencyParams
 
-#: kernels an MoE layer launches beyond a dense one: router GEMM, softmax/top-k, (un)permute,
-#: all-to-all preparation (Megatron-Core token dispatcher)
-MOE_EXTRA_KERNELS = 10.0
+#: kernels an MoE layer launches beyond a dense one (Megatron-Core moe_layer.py route -> preprocess ->
+#: dispatch -> combine), by the region a CUDA graph can capture (--cuda-graph-modules): the router
+#: (GEMM, softmax, top-k, load-balancing loss), the dispatcher's preprocess (tokens per expert, split
+#: sizes) and the dispatch / combine side ((un)permute, chunk sorts), which only `moe` captures
+MOE_ROUTER_KERNELS = 4.0
+MOE_PREPROCESS_KERNELS = 2.0
+MOE_DISPATCH_KERNELS = 4.0
+MOE_EXTRA_KERNELS = MOE_ROUTER_KERNELS + MOE_PREPROCESS_KERNELS + MOE_DISPATCH_KERNELS
 #: kernels per local expert per forward: Transformer Engine's GroupedLinear runs fc1 and fc2 as one
 #: GEMM per expert, plus the activation; in fp8 / fp4 each expert's input is also cast (2 more)
 KERNELS_PER_LOCAL_EXPERT = 3.0
@@ -37,8 +42,15 @@ PERMUTE_BYTES_PER_H = 4.0 * 2.0
 #: and write), bf16 elements
 ROUTER_BYTES_PER_EXPERT = 4.0 * 2.0
 #: kernels a dense layer launches forward with Transformer Engine (norms, GEMMs, attention, rope,
-#: activation, residuals, casts); backward launches about twice as many
-KERNELS_PER_LAYER = 14.0
+#: activation, residuals, casts); backward launches about twice as many. Split by the block a CUDA
+#: graph captures (transformer_layer.py _forward_attention / _forward_mlp): attention = input norm, QKV
+#: GEMM, rope of q and of k, fused attention, output GEMM, bias-dropout-add, a cast; MLP = pre-MLP
+#: norm, fc1, activation, fc2, bias-dropout-add, a cast
+KERNELS_ATTN_BLOCK = 8.0
+KERNELS_MLP_BLOCK = 6.0
+KERNELS_PER_LAYER = KERNELS_ATTN_BLOCK + KERNELS_MLP_BLOCK
+#: the pre-MLP norm, which a moe_router graph captures with the router
+NORM_KERNELS = 1.0
 #: unfused attention runs baddbmm (QK^T), scale-mask-softmax, dropout, bmm (PV) and the context's
 #: permute copy where a fused kernel runs one [K22 sec. 4.1; Megatron-LM legacy CoreAttention]
 UNFUSED_ATTENTION_EXTRA_KERNELS = 4.0
@@ -146,7 +158,7 @@ class LayerWork(NamedTuple):
     elem_moe: object         # expert activations, (un)permute, router softmax/top-k (+ fp8 casts)
     kernels_dense: object    # launch + tail of a dense layer's kernels (GPU side)
     kernels_moe: object
-    host_dense: object       # host time to issue a dense layer's forward ops (eager framework)
+    host_dense: object       # host time to issue a dense layer's forward ops (eager, or around CUDA graphs)
     host_moe: object
 
 
@@ -237,16 +249,36 @@ def layer_kernels(S: Shapes, M: dict, J: dict):
     return dense, moe
 
 
+def host_kernels(S: Shapes, M: dict, J: dict):
+    """Launches the host issues per dense and per MoE layer forward with the job's CUDA graphs
+    (encode.cuda_graph_capture, 0/1 per region): a captured region's kernels are replayed by one graph
+    launch; a full-iteration graph replays the whole forward-backward (no per-layer launch). The TP
+    collectives split evenly between the attention and the MLP block (each has one, or one pair with
+    SP); with moe_router only, an MoE layer's MLP-side collectives stay in its eager dispatch."""
+    n_dense, n_moe = layer_kernels(S, M, J)
+    attn = (KERNELS_ATTN_BLOCK + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS
+            + (S.tp > 1) * TP_COLLECTIVES_PER_LAYER * (1.0 + S.sp) / 2.0)
+    router_side = J["cg_router"] * (NORM_KERNELS + MOE_ROUTER_KERNELS) + J["cg_preprocess"] * MOE_PREPROCESS_KERNELS
+    moe_side = J["cg_moe"] * (n_moe - attn) + (1.0 - J["cg_moe"]) * router_side
+    moe_graph = jnp.maximum(J["cg_moe"], jnp.maximum(J["cg_router"], J["cg_preprocess"]))
+    # one launch per captured region; the whole layer is one graph
+    dense = n_dense - J["cg_attn"] * attn - J["cg_mlp"] * (n_dense - attn) + J["cg_attn"] + J["cg_mlp"] - J["cg_whole"]
+    moe = n_moe - J["cg_attn"] * attn - moe_side + J["cg_attn"] + moe_graph - J["cg_whole"]
+    eager = 1.0 - J["cg_iteration"]
+    return dense * eager, moe * eager
+
+
 def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> LayerWork:
     elem_attn, elem_dense, elem_moe = elementwise_s(S, M, H, J, e)
     mlp_moe, mlp_moe_shared = moe_mlp_s(S, M, H, J, e)
     n_dense, n_moe = layer_kernels(S, M, J)
+    host_dense, host_moe = host_kernels(S, M, J)
     return LayerWork(
         attn_proj=attention_projections_s(S, M, H, J, e), attn_core=attention_core_s(S, M, H, J, e),
         mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=dense_mlp_s(S, M, H, J, e),
         mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, elem_dense=elem_dense, elem_moe=elem_moe,
         kernels_dense=n_dense * e.kernel_overhead_s, kernels_moe=n_moe * e.kernel_overhead_s,
-        host_dense=n_dense * e.host_op_s, host_moe=n_moe * e.host_op_s)
+        host_dense=host_dense * e.host_op_s, host_moe=host_moe * e.host_op_s)
 
 
 class LayerTimes(NamedTuple):

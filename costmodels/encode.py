@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .specs import ClusterSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
+from .specs import ClusterSpec, CudaGraphImpl, CudaGraphModule, FrameworkSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
 
 
 def encode_model(m: ModelSpec) -> dict:
@@ -77,6 +77,34 @@ def encode_cluster(c: ClusterSpec) -> dict:
     return {k: np.float32(v) for k, v in vals.items()}
 
 
+def cuda_graph_capture(fw: FrameworkSpec) -> dict:
+    """Which regions of a layer the job's CUDA graphs replay (1) instead of the host issuing their kernels
+    one by one (0): Megatron-Core transformer_layer.py _get_submodules_under_cudagraphs and
+    _te_cuda_graph_capture. Without modules a per-layer impl captures the whole layer; a dropless MoE
+    layer's dispatch cannot be captured (its token counts go to the host: moe_utils.py
+    maybe_skip_or_early_return_by_cudagraph), so whole-layer capture of an MoE layer covers the router and
+    the preprocess (token_dispatcher.py moves the host copy past the preprocess, as for moe_preprocess),
+    the whole MoE block only with drop-and-pad experts. The local impl captures moe_router and
+    moe_preprocess together (transformer_config.py: "local impl doesn't distinguish")."""
+    per_layer = fw.cuda_graph_impl.per_layer
+    mods = set(fw.cuda_graph_modules)
+    whole = per_layer and not mods
+    local = fw.cuda_graph_impl is CudaGraphImpl.LOCAL
+    router = CudaGraphModule.MOE_ROUTER in mods or (local and CudaGraphModule.MOE_PREPROCESS in mods)
+    preprocess = CudaGraphModule.MOE_PREPROCESS in mods or (local and CudaGraphModule.MOE_ROUTER in mods)
+    padded = fw.moe_expert_capacity_factor > 0
+    vals = dict(
+        cg_whole=whole,
+        cg_attn=whole or CudaGraphModule.ATTN in mods,
+        cg_mlp=whole or CudaGraphModule.MLP in mods,
+        cg_moe=(whole and padded) or CudaGraphModule.MOE in mods,
+        cg_router=whole or router,
+        cg_preprocess=whole or preprocess,
+        cg_iteration=fw.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION,
+    )
+    return {k: float(v) for k, v in vals.items()}
+
+
 def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = None) -> dict:
     prec = j.precision
     peak = c.gpu.peak_flops(prec)
@@ -101,6 +129,7 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         moe_capacity=float(j.framework.moe_expert_capacity_factor),
         fp8_param=float(j.framework.fp8_param_gather),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
+        **cuda_graph_capture(j.framework),     # 0/1 per captured region (costmodels/compute.py host_kernels)
     )
     return {k: np.float32(v) for k, v in vals.items()}
 

@@ -396,6 +396,65 @@ class PipelineSchedule(enum.Enum):
         return _parse_enum(cls, text, field_name)
 
 
+class CudaGraphImpl(enum.Enum):
+    """Megatron-Core --cuda-graph-impl (transformer_config.py cuda_graph_impl, default "none"): who captures
+    CUDA graphs in training. `local` (MCore CudaGraphManager) and `transformer_engine` (TE
+    make_graphed_callables) capture per-layer graphs over the --cuda-graph-modules regions;
+    `full_iteration` captures the whole forward-backward of a step (all micro-batches, not the optimizer)."""
+    NONE = "none"
+    LOCAL = "local"
+    TRANSFORMER_ENGINE = "transformer_engine"
+    FULL_ITERATION = "full_iteration"
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "cuda_graph_impl") -> "CudaGraphImpl":
+        return _parse_enum(cls, text, field_name)
+
+    @property
+    def per_layer(self) -> bool:
+        return self in (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE)
+
+
+class CudaGraphModule(enum.Enum):
+    """Megatron-Core --cuda-graph-modules (formerly --cuda-graph-scope; core/transformer/enums.py
+    CudaGraphModule): the regions of a layer a per-layer graph captures; none given = the whole layer.
+    attn: TransformerLayer._forward_attention (input norm, attention); mlp: a dense layer's
+    _forward_mlp; moe: an MoE layer's _forward_mlp (drop-and-pad MoE only); moe_router: _forward_mlp up
+    to MoELayer.router() (pre-MLP norm, router, shared experts unless overlapped); moe_preprocess:
+    MoELayer.preprocess() (needs moe_router); mamba: a Mamba layer."""
+    ATTN = "attn"
+    MLP = "mlp"
+    MOE = "moe"
+    MOE_ROUTER = "moe_router"
+    MOE_PREPROCESS = "moe_preprocess"
+    MAMBA = "mamba"
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "cuda_graph_modules") -> "CudaGraphModule":
+        return _parse_enum(cls, text, field_name)
+
+
+def parse_cuda_graph_modules(values, impl: "CudaGraphImpl") -> tuple:
+    """--cuda-graph-modules / the deprecated --cuda-graph-scope values (each may hold several, split at
+    commas or spaces) -> (modules in canonical order, impl). Megatron's deprecated spellings
+    (core/transformer/cuda_graph_config.py): "full" alone = the whole layer (no modules);
+    "full_iteration" = --cuda-graph-impl full_iteration, accepted with impl none, local or full_iteration."""
+    names = [n for v in (values or ()) for n in re.split(r"[,\s]+", str(v).strip()) if n]
+    if "full" in names:
+        if names != ["full"]:
+            raise SpecError("cuda_graph_modules", "full (the whole layer) cannot be combined with other modules")
+        return (), impl
+    if "full_iteration" in names:
+        if names != ["full_iteration"]:
+            raise SpecError("cuda_graph_modules", "full_iteration cannot be combined with other modules")
+        if impl not in (CudaGraphImpl.NONE, CudaGraphImpl.LOCAL, CudaGraphImpl.FULL_ITERATION):
+            raise SpecError("cuda_graph_modules", f"full_iteration cannot be combined with "
+                            f"cuda_graph_impl={impl.value}; use --cuda-graph-impl full_iteration")
+        return (), CudaGraphImpl.FULL_ITERATION
+    mods = {CudaGraphModule.parse(n) for n in names}
+    return tuple(m for m in CudaGraphModule if m in mods), impl
+
+
 def _parse_enum(cls, text, field_name: str):
     t = str(text).strip().lower().replace("_", "-")
     for member in cls:
@@ -432,15 +491,68 @@ class FrameworkSpec:
     # --moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity: every expert's buffer holds
     # capacity_factor x (tokens x top-k / experts) slots, filled or not; 0 = dropless (the default)
     moe_expert_capacity_factor: float = 0.0
+    # --cuda-graph-impl and --cuda-graph-modules (transformer_config.py; the deprecated name of the
+    # second is --cuda-graph-scope, Megatron-Bridge's recipes set model.cuda_graph_scope). Default: no
+    # graphs; with a per-layer impl, no modules = the whole layer
+    cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
+    cuda_graph_modules: tuple = ()
 
     def __post_init__(self):
         cf = self.moe_expert_capacity_factor
         if not isinstance(cf, (int, float)) or isinstance(cf, bool) or not 0.0 <= cf <= 2 ** 16:
             raise SpecError("moe_expert_capacity_factor", f"must be a number >= 0 (0 = dropless), got {cf!r}")
+        self._check_cuda_graphs()
         for f in ("tp_comm_overlap", "grad_reduce_in_fp32", "fp8_param_gather", "overlap_grad_reduce",
                   "overlap_param_gather", "microbatch_grad_buffer"):
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
+
+    def _check_cuda_graphs(self) -> None:
+        """Megatron's own refusals (transformer_config.py __post_init__, arguments.py validate_args),
+        and modules without an impl (Megatron ignores them: "no effect when cuda_graph_impl=none")."""
+        impl, mods = self.cuda_graph_impl, self.cuda_graph_modules
+        if not isinstance(impl, CudaGraphImpl):
+            raise SpecError("cuda_graph_impl", f"must be a CudaGraphImpl, got {impl!r}")
+        if not isinstance(mods, tuple) or not all(isinstance(m, CudaGraphModule) for m in mods) \
+                or len(set(mods)) != len(mods):
+            raise SpecError("cuda_graph_modules", f"must be a tuple of distinct CudaGraphModule, got {mods!r}")
+        names = "+".join(m.value for m in mods)
+        if mods and impl is CudaGraphImpl.NONE:
+            raise SpecError("cuda_graph_modules", f"{names} has no effect with cuda_graph_impl=none (Megatron's "
+                            "default); add --cuda-graph-impl transformer_engine or local")
+        if mods and impl is CudaGraphImpl.FULL_ITERATION:
+            raise SpecError("cuda_graph_modules", f"must be empty with cuda_graph_impl=full_iteration (it captures "
+                            f"the whole forward-backward), got {names}")
+        if impl is not CudaGraphImpl.NONE and self.framework is not Framework.MEGATRON:
+            raise SpecError("cuda_graph_impl", f"{impl.value} is a Megatron-Core option; "
+                            f"{self.framework.value} has no CUDA-graph capture here, use none")
+        if CudaGraphModule.MOE in mods and CudaGraphModule.MOE_ROUTER in mods:
+            raise SpecError("cuda_graph_modules", "must not contain both moe and moe_router (Megatron-Core rule)")
+        if impl is CudaGraphImpl.TRANSFORMER_ENGINE and CudaGraphModule.MOE_PREPROCESS in mods \
+                and CudaGraphModule.MOE_ROUTER not in mods:
+            raise SpecError("cuda_graph_modules", "moe_preprocess is only supported together with moe_router "
+                            "(Megatron-Core rule); add moe_router")
+        if CudaGraphModule.MOE in mods and self.moe_expert_capacity_factor <= 0:
+            raise SpecError("cuda_graph_modules", "moe is only supported with drop-and-pad MoE (Megatron-Core rule): "
+                            "set moe_expert_capacity_factor, or capture moe_router+moe_preprocess")
+        if (self.moe_token_dispatcher_type is DispatcherType.ALLTOALL and self.moe_expert_capacity_factor > 0
+                and CudaGraphModule.MOE_PREPROCESS in mods):
+            raise SpecError("cuda_graph_modules", "moe_preprocess cannot be captured with the alltoall dispatcher and "
+                            "an expert capacity factor (its preprocess copies to the host; Megatron-Core rule)")
+
+    def check_cuda_graphs_for(self, model: "ModelSpec") -> None:
+        """The modules a model must have for its --cuda-graph-modules (Megatron-Core asserts moe / moe_router
+        only for MoE models, mlp only with dense layers; no model here has Mamba layers)."""
+        mods = self.cuda_graph_modules
+        moe_mods = [m.value for m in mods if m in (CudaGraphModule.MOE, CudaGraphModule.MOE_ROUTER,
+                                                   CudaGraphModule.MOE_PREPROCESS)]
+        if moe_mods and not model.is_moe:
+            raise SpecError("cuda_graph_modules", f"{'+'.join(moe_mods)} need an MoE model; {model.name} is dense")
+        if CudaGraphModule.MLP in mods and model.is_moe and model.num_moe_layers == model.num_layers:
+            raise SpecError("cuda_graph_modules", f"mlp captures dense layers and every layer of {model.name} is MoE; "
+                            "use moe_router (+moe_preprocess) or moe")
+        if CudaGraphModule.MAMBA in mods:
+            raise SpecError("cuda_graph_modules", f"mamba captures Mamba layers and {model.name} has none")
 
     @property
     def grad_bytes_per_param(self) -> float:
@@ -484,5 +596,7 @@ def spec_dict(spec) -> dict:
             v = v.value if not isinstance(v, enum.IntEnum) else v.name.lower()
         elif hasattr(v, "__dataclass_fields__"):
             v = spec_dict(v)
+        elif isinstance(v, tuple) and all(isinstance(x, enum.Enum) for x in v):
+            v = [x.value for x in v]
         out[f.name] = v
     return out

@@ -15,8 +15,10 @@ from typing import Callable, Iterator
 import numpy as np
 
 from costmodels.plan import (DEFAULT_RECOMPUTE_MODULES, PLAN_FIELDS, RECOMPUTE_MODULES, Plan, PlanBatch, expand_layout,
+                             module_bit,
                              modules_mask, modules_of_mask, parse_layout, stage_layers)
-from costmodels.specs import ClusterSpec, Framework, JobSpec, ModelSpec, Recompute, SpecError
+from costmodels.specs import (ClusterSpec, CudaGraphImpl, CudaGraphModule, Framework, JobSpec, ModelSpec, Recompute,
+                              SpecError)
 
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 VPP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
@@ -29,6 +31,9 @@ class Problem:
     model: ModelSpec
     cluster: ClusterSpec
     job: JobSpec
+
+    def __post_init__(self):
+        self.job.framework.check_cuda_graphs_for(self.model)   # modules the model must have
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,28 @@ def _max_chunk(a, p):
 _SELECTIVE = int(Recompute.SELECTIVE)
 
 
+def _graphed(p: Problem, module: CudaGraphModule) -> bool:
+    """The job's CUDA graphs capture `module`: named in --cuda-graph-modules, or a whole-layer
+    (no modules) or full-iteration capture (transformer_config.py: `full_cudagraph`)."""
+    fw = p.job.framework
+    whole = fw.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION or (fw.cuda_graph_impl.per_layer
+                                                                    and not fw.cuda_graph_modules)
+    return whole or module in fw.cuda_graph_modules
+
+
+def _recomputes(a, name: str):
+    return (a["recompute"] == _SELECTIVE) & ((a["recompute_modules"] & module_bit(name)) != 0)
+
+
+def _dropout_graph_ok(a, p: Problem):
+    """transformer_config.py: hidden dropout draws random numbers a graphed MLP / MoE recomputation
+    cannot replay."""
+    if p.model.hidden_dropout == 0.0 or p.job.framework.cuda_graph_impl is CudaGraphImpl.NONE:
+        return np.ones(np.shape(a["recompute"]), dtype=bool)
+    return ~((_graphed(p, CudaGraphModule.MLP) & _recomputes(a, "mlp"))
+             | (_graphed(p, CudaGraphModule.MOE) & _recomputes(a, "moe")))
+
+
 RULES: tuple[Rule, ...] = (
     Rule("gpus", lambda a, p: a["tp"] * a["cp"] * a["pp"] * a["dp"] == p.cluster.num_gpus,
          lambda a, p: f"tp*cp*pp*dp = {_v(a,'tp')}*{_v(a,'cp')}*{_v(a,'pp')}*{_v(a,'dp')} must equal "
@@ -284,6 +311,19 @@ RULES: tuple[Rule, ...] = (
                       f"{_v({'n': _max_chunk(a, p)}, 'n')} layers of the largest pipeline chunk: use 0 "
                       f"(recompute every layer)",
          only_if_set=('recompute_layers',)),
+    # CUDA graphs (transformer_config.py __post_init__, "Check cuda graph scopes")
+    Rule("cuda_graph_full_recompute", lambda a, p: (a["recompute"] != int(Recompute.FULL))
+         | (not p.job.framework.cuda_graph_impl.per_layer),
+         lambda a, p: f"recompute=full with --cuda-graph-impl {p.job.framework.cuda_graph_impl.value}: Megatron-Core "
+                      "supports full recompute only with full_iteration CUDA graphs; use recompute=selective or none"),
+    Rule("cuda_graph_moe_recompute", lambda a, p: ~_recomputes(a, "moe")
+         | (p.job.framework.cuda_graph_impl is not CudaGraphImpl.TRANSFORMER_ENGINE)
+         | (CudaGraphModule.MOE_ROUTER not in p.job.framework.cuda_graph_modules),
+         lambda a, p: "recompute_modules=moe with a moe_router CUDA graph of --cuda-graph-impl transformer_engine: "
+                      "not supported by Megatron-Core; drop moe from recompute_modules"),
+    Rule("cuda_graph_dropout_recompute", _dropout_graph_ok,
+         lambda a, p: f"hidden_dropout={p.model.hidden_dropout} with a graphed MLP/MoE that selective recompute "
+                      "replays: not supported by Megatron-Core; drop mlp/moe from recompute_modules"),
 )
 
 
