@@ -16,7 +16,7 @@ from cli.common import (EXIT_NOTHING_FITS, EXIT_OK, check_problem_options, error
 from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt,  # noqa: E402
                          IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
-                         DispatcherOpt, framework_options)
+                         DispatcherOpt, CudaGraphImplOpt, CudaGraphModulesOpt, framework_options)
 from costmodels.specs import SpecError
 
 
@@ -50,6 +50,8 @@ def explain(
     grad_reduce_in_bf16: GradReduceBf16Opt = None,
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
+    cuda_graph_impl: CudaGraphImplOpt = None,
+    cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
     """What limits a plan and what would help: elasticities of step time, tokens/s and memory.
     Exit code 3 when the plan (or, without --plan, every legal plan) does not fit."""
@@ -65,7 +67,7 @@ def explain(
                                 inter_node_bw=inter_node_bw, cluster_file=cluster,
                                 framework=framework_options(framework, attention_backend, tp_comm_overlap,
                                                             grad_reduce_in_bf16, fp8_param_gather,
-                                                            moe_token_dispatcher_type))
+                                                            moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules))
     params, _ = api.load_params(calibration, problem.cluster.gpu.name)
     if plan:
         the_plan = api.plan_from_text(plan, problem)
@@ -205,6 +207,8 @@ def whatif(
     grad_reduce_in_bf16: GradReduceBf16Opt = None,
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
+    cuda_graph_impl: CudaGraphImplOpt = None,
+    cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
     """Best plan for the same model and job on several GPUs and fabrics, side by side.
     Exit code 3 when no variant has a plan that fits."""
@@ -219,7 +223,7 @@ def whatif(
         from autotune.measurements import read_calibration
         calibrated_gpu = str(read_calibration(calibration)[1].get("gpu") or "").lower() or None
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
-                           moe_token_dispatcher_type)
+                           moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules)
     rows = []
     for g in gpu:
         for bw in list(inter_node_bw or []) or [None]:

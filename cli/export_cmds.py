@@ -17,7 +17,8 @@ import typer
 from rich.text import Text
 
 from cli.common import print_json as _print_json, stdout_console as _console
-from cli.options import (AttentionBackendOpt, CalibrationOpt, ClusterOpt, DispatcherOpt, Fp8ParamGatherOpt,
+from cli.options import (AttentionBackendOpt, CalibrationOpt, ClusterOpt, CudaGraphImplOpt, CudaGraphModulesOpt,
+                         DispatcherOpt, Fp8ParamGatherOpt,
                          FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt, GpusPerNodeOpt, GradReduceBf16Opt, InterBwOpt,
                          IntraBwOpt, JsonOpt, MemLimitOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
                          framework_options)
@@ -142,6 +143,8 @@ def export_cmd(
     grad_reduce_in_bf16: GradReduceBf16Opt = None,
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
+    cuda_graph_impl: CudaGraphImplOpt = None,
+    cuda_graph_modules: CudaGraphModulesOpt = None,
     as_json: JsonOpt = False,
 ) -> int:
     """Write a plan as Megatron-LM arguments, Megatron-Bridge overrides, torchtitan TOML, MaxText YAML or DeepSpeed JSON."""
@@ -150,7 +153,7 @@ def export_cmd(
     problem, plans, _ = _problem_and_plans(
         report, plan, model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw, inter_node_bw,
         cluster, framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16,
-                                   fp8_param_gather, moe_token_dispatcher_type), top)
+                                   fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules), top)
     exported = [export(target, p, problem) for p in plans]      # any refusal stops before writing
     paths = []
     if out:

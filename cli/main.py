@@ -24,6 +24,7 @@ from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineError
 from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt,
+    CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options,
 )
 from costmodels.specs import SpecError
@@ -169,6 +170,8 @@ def search(
     grad_reduce_in_bf16: GradReduceBf16Opt = None,
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
+    cuda_graph_impl: CudaGraphImplOpt = None,
+    cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
     verify_top: verify_cmds.VerifyTopOpt = None,
     runner: verify_cmds.RunnerOpt = "jax",
@@ -181,7 +184,7 @@ def search(
     from autotune.files import check_writable_folder     # JAX and Optuna only once the input is checked
 
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
-                           moe_token_dispatcher_type)
+                           moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules)
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
@@ -319,6 +322,8 @@ def predict(
     grad_reduce_in_bf16: GradReduceBf16Opt = None,
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
+    cuda_graph_impl: CudaGraphImplOpt = None,
+    cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
     """Score one plan and print its time and memory breakdown."""
     from autotune.problem import plan_from_text
@@ -327,7 +332,7 @@ def predict(
     problem = _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
                        inter_node_bw, cluster, framework_options(framework, attention_backend, tp_comm_overlap,
                                                                  grad_reduce_in_bf16, fp8_param_gather,
-                                                                 moe_token_dispatcher_type))
+                                                                 moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules))
     the_plan = plan_from_text(plan, problem)
     from autotune import api                          # JAX: only once the problem and the plan are checked
     from autotune.report import plan_text, problem_dict

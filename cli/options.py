@@ -38,10 +38,18 @@ GradReduceBf16Opt = Annotated[Optional[bool], typer.Option("--grad-reduce-in-bf1
 Fp8ParamGatherOpt = Annotated[Optional[bool], typer.Option("--fp8-param-gather/--no-fp8-param-gather", help="fp8 primary weights and fp8 parameter all-gathers (fp8/fp4 only).")]
 DispatcherOpt = Annotated[Optional[str], typer.Option("--moe-token-dispatcher-type", help="alltoall (default here), allgather or flex (DeepEP/HybridEP).")]
 
+CudaGraphImplOpt = Annotated[Optional[str], typer.Option("--cuda-graph-impl", help="Megatron CUDA graphs: none (default), "
+                             "local, transformer_engine (per-layer graphs) or full_iteration (the whole forward-backward).")]
+CudaGraphModulesOpt = Annotated[Optional[list[str]], typer.Option(
+    "--cuda-graph-modules", "--cuda-graph-scope", metavar="MODULES",
+    help="Regions per-layer graphs capture: attn, mlp, moe, moe_router, moe_preprocess (comma-separated or repeated; "
+         "none = the whole layer). --cuda-graph-scope is Megatron's older name.")]
+
 
 def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
-                      moe_token_dispatcher_type) -> dict:
+                      moe_token_dispatcher_type, cuda_graph_impl=None, cuda_graph_modules=None) -> dict:
     """The framework flags as `api.build_problem(framework=...)` takes them."""
     return {"framework": framework, "attention_backend": attention_backend, "tp_comm_overlap": tp_comm_overlap,
             "grad_reduce_in_fp32": None if grad_reduce_in_bf16 is None else not grad_reduce_in_bf16,
-            "fp8_param_gather": fp8_param_gather, "moe_token_dispatcher_type": moe_token_dispatcher_type}
+            "fp8_param_gather": fp8_param_gather, "moe_token_dispatcher_type": moe_token_dispatcher_type,
+            "cuda_graph_impl": cuda_graph_impl, "cuda_graph_modules": cuda_graph_modules}
