@@ -26,7 +26,7 @@ import shlex
 from dataclasses import dataclass
 
 from costmodels.plan import Plan, expand_layout
-from costmodels.specs import PipelineSchedule, Precision, Recompute, SpecError
+from costmodels.specs import CudaGraphImpl, PipelineSchedule, Precision, Recompute, SpecError
 from search_spaces.space import Problem, check_plan
 
 TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed")
@@ -180,7 +180,23 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     a += ["--attention-backend", fw.attention_backend.value]
     if problem.model.is_moe:
         a += ["--moe-token-dispatcher-type", fw.moe_token_dispatcher_type.value]
+    if fw.cuda_graph_impl is not CudaGraphImpl.NONE:
+        # arguments.py: --cuda-graph-modules (nargs='+'; none = the whole layer); full_iteration asserts
+        # --no-check-for-nan-in-loss-and-grad
+        a += ["--cuda-graph-impl", fw.cuda_graph_impl.value]
+        if fw.cuda_graph_modules:
+            a += ["--cuda-graph-modules", *(m.value for m in fw.cuda_graph_modules)]
+        if fw.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION:
+            a += ["--no-check-for-nan-in-loss-and-grad"]
     return [str(x) for x in a]
+
+
+def _refuse_cuda_graphs(target: str, problem: Problem) -> None:
+    """The plan was scored with Megatron-Core's CUDA graphs, which other frameworks do not run."""
+    impl = problem.job.framework.cuda_graph_impl
+    if impl is not CudaGraphImpl.NONE:
+        raise ExportRefused(target, f"cuda_graph_impl={impl.value}", f"Megatron-Core's CUDA graphs have no {target} "
+                            "setting; score the plan with --cuda-graph-impl none, or export --to megatron / bridge")
 
 
 def megatron_args(plan: Plan, problem: Problem) -> list:
@@ -207,7 +223,7 @@ def _megatron(plan: Plan, problem: Problem) -> Exported:
 # ---- parsing Megatron arguments back into a plan --------------------------------------------------
 
 #: flags that take several values (nargs='+')
-_NARGS = {"recompute_modules"}
+_NARGS = {"recompute_modules", "cuda_graph_modules"}
 
 
 def parse_megatron_argv(argv) -> dict:
@@ -413,6 +429,14 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
           ("mixed_precision", _BRIDGE_PRECISION[job.precision]), ("comm_overlap.tp_comm_overlap", fw.tp_comm_overlap)]
     if fw.fp8_param_gather:
         o += [("model.fp8_param", True), ("ddp.fp8_param_gather", True)]
+    if fw.cuda_graph_impl is not CudaGraphImpl.NONE:
+        # docs/training/cuda-graphs.md "Bridge Configuration": model.cuda_graph_impl, model.cuda_graph_scope
+        # (Megatron-Core migrates it to cuda_graph_modules), the TE RNG tracker (config.py syncs
+        # rng.te_rng_tracker with it); full_iteration asserts check_for_nan_in_loss is off
+        o += [("model.cuda_graph_impl", fw.cuda_graph_impl.value),
+              ("model.cuda_graph_scope", [m.value for m in fw.cuda_graph_modules]), ("model.use_te_rng_tracker", True)]
+        if fw.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION:
+            o += [("rerun_state_machine.check_for_nan_in_loss", False)]
     return [f"{k}={_val(v)}" for k, v in o]
 
 
@@ -481,6 +505,7 @@ def torchtitan_config(plan: Plan, problem: Problem) -> dict:
     are not FSDP-sharded ranks, fp16 and fp4."""
     check_plan(plan, problem)
     t = "torchtitan"
+    _refuse_cuda_graphs(t, problem)
     if plan.zero in (1, 2):
         raise ExportRefused(t, f"zero={plan.zero}", "torchtitan has no ZeRO-1/2 optimizer sharding; it replicates "
                             "(zero=0, data_parallel_replicate_degree) or shards with FSDP2 (zero=3)")
@@ -567,6 +592,7 @@ def maxtext_config(plan: Plan, problem: Problem) -> dict:
     fp16 and fp4, selective recompute of module sets MaxText's remat policies do not name."""
     check_plan(plan, problem)
     t = "maxtext"
+    _refuse_cuda_graphs(t, problem)
     if plan.zero == 2:
         raise ExportRefused(t, "zero=2", "MaxText shards the optimizer over data (zero=1) or everything over "
                             "fsdp (zero=3), never gradients alone")
@@ -657,6 +683,7 @@ def deepspeed_config(plan: Plan, problem: Problem) -> dict:
     parallelism (AutoTP has none), expert-TP, selective or block recompute, fp8 and fp4."""
     check_plan(plan, problem)
     t = "deepspeed"
+    _refuse_cuda_graphs(t, problem)
     if plan.pp > 1:
         raise ExportRefused(t, f"pp={plan.pp}", "DeepSpeed's config JSON has no pipeline degree (it is "
                             "PipelineModule(num_stages=...) in the training script); use --to megatron for "

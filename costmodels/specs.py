@@ -547,7 +547,7 @@ class FrameworkSpec:
         moe_mods = [m.value for m in mods if m in (CudaGraphModule.MOE, CudaGraphModule.MOE_ROUTER,
                                                    CudaGraphModule.MOE_PREPROCESS)]
         if moe_mods and not model.is_moe:
-            raise SpecError("cuda_graph_modules", f"{'+'.join(moe_mods)} need an MoE model; {model.name} is dense")
+            raise SpecError("cuda_graph_modules", f"{'+'.join(moe_mods)} capture MoE layers and {model.name} is dense")
         if CudaGraphModule.MLP in mods and model.is_moe and model.num_moe_layers == model.num_layers:
             raise SpecError("cuda_graph_modules", f"mlp captures dense layers and every layer of {model.name} is MoE; "
                             "use moe_router (+moe_preprocess) or moe")
