@@ -314,12 +314,14 @@ RULES: tuple[Rule, ...] = (
     # CUDA graphs (transformer_config.py __post_init__, "Check cuda graph scopes")
     Rule("cuda_graph_full_recompute", lambda a, p: (a["recompute"] != int(Recompute.FULL))
          | (not p.job.framework.cuda_graph_impl.per_layer),
-         lambda a, p: f"recompute=full with --cuda-graph-impl {p.job.framework.cuda_graph_impl.value}: Megatron-Core "
+         lambda a, p: f"recompute=full with --cuda-graph-impl {p.job.framework.cuda_graph_impl.value} "
+                      f"({len(p.job.framework.cuda_graph_modules)} modules given; 0 = the whole layer): Megatron-Core "
                       "supports full recompute only with full_iteration CUDA graphs; use recompute=selective or none"),
     Rule("cuda_graph_moe_recompute", lambda a, p: ~_recomputes(a, "moe")
          | (p.job.framework.cuda_graph_impl is not CudaGraphImpl.TRANSFORMER_ENGINE)
          | (CudaGraphModule.MOE_ROUTER not in p.job.framework.cuda_graph_modules),
-         lambda a, p: "recompute_modules=moe with a moe_router CUDA graph of --cuda-graph-impl transformer_engine: "
+         lambda a, p: f"recompute_modules=moe with a moe_router CUDA graph (1 of {len(p.job.framework.cuda_graph_modules)} "
+                      "--cuda-graph-modules) of --cuda-graph-impl transformer_engine: "
                       "not supported by Megatron-Core; drop moe from recompute_modules"),
     Rule("cuda_graph_dropout_recompute", _dropout_graph_ok,
          lambda a, p: f"hidden_dropout={p.model.hidden_dropout} with a graphed MLP/MoE that selective recompute "

@@ -8,6 +8,7 @@ every plan one at a time with `check_plan`.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import json
 from collections import Counter
 from pathlib import Path
@@ -19,7 +20,8 @@ from autotune.api import build_problem
 from autotune.datasets import dataset_path
 from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, modules_of_mask
 from costmodels.presets import build_cluster
-from costmodels.specs import FrameworkSpec, JobSpec, ModelSpec, Recompute, SpecError
+from costmodels.specs import (CudaGraphImpl, CudaGraphModule, FrameworkSpec, JobSpec, ModelSpec, Recompute,
+                              SpecError)
 from search_spaces.space import (RULES, Problem, check_plan, check_rows, count_legal, domains,
                                  enumerate_legal)
 
@@ -113,6 +115,20 @@ _CASES = [
      Plan(pp=4, dp=4, first_layers=1), Plan(pp=4, dp=4, first_layers=2)),
     ("recompute_layers_full", "block recompute without full recompute", _problem(),
      Plan(dp=16, recompute_layers=2), Plan(dp=16, recompute=Recompute.FULL, recompute_layers=2)),
+    ("cuda_graph_full_recompute", "full recompute with per-layer CUDA graphs",
+     _problem(job=JobSpec(global_batch=32, seq_len=1024,
+                          framework=FrameworkSpec(cuda_graph_impl=CudaGraphImpl.TRANSFORMER_ENGINE))),
+     Plan(dp=16, recompute=Recompute.FULL), Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
+    ("cuda_graph_moe_recompute", "moe recompute under a transformer_engine moe_router graph",
+     _problem(MOE, job=JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(
+         cuda_graph_impl=CudaGraphImpl.TRANSFORMER_ENGINE, cuda_graph_modules=(CudaGraphModule.MOE_ROUTER,)))),
+     Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("moe",)),
+     Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
+    ("cuda_graph_dropout_recompute", "hidden dropout with a graphed MLP that selective recompute replays",
+     _problem(replace(DENSE, hidden_dropout=0.1), job=JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(
+         cuda_graph_impl=CudaGraphImpl.TRANSFORMER_ENGINE, cuda_graph_modules=(CudaGraphModule.MLP,)))),
+     Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("mlp",)),
+     Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
     ("recompute_layers_chunk", "block recompute of a whole chunk", _problem(),
      Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=4),
      Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=3)),
