@@ -108,7 +108,28 @@ def explain(best: dict, runner: dict | None, problem: Problem) -> str:
     text += f"; it needs {runner['memory_gb']['total']:.1f} GB."
     if problem.cluster.num_sites > 1:
         text += _site_sentence(best["plan"], problem)
-    return text
+    return text + _host_sentence(best, problem)
+
+
+#: a host wait above this share of the step is worth a sentence
+HOST_BOUND_SHARE = 0.10
+
+
+def _host_sentence(best: dict, problem: Problem) -> str:
+    """Say when the GPUs wait for the host to issue kernels, and what removes that wait."""
+    wait = best["time_breakdown_s"].get("host_wait", 0.0)
+    share = wait / best["step_time_s"]
+    if share < HOST_BOUND_SHARE:
+        return ""
+    impl = problem.job.framework.cuda_graph_impl.value
+    if impl == "none":
+        fix = ("Megatron-Core's CUDA graphs replay captured kernels with one launch: try `--cuda-graph-impl "
+               "transformer_engine` (per layer) or `full_iteration`")
+    else:
+        fix = (f"with --cuda-graph-impl {impl} the rest is the uncaptured regions' kernels: capture more of "
+               "the layer, or give each kernel more work (a larger micro-batch)")
+    return (f" Its GPUs wait {share:.0%} of the step ({wait:.3g} s) for the host to issue kernels (small "
+            f"kernels, eager launches): {fix}.")
 
 
 def _site_sentence(plan: dict, problem: Problem) -> str:

@@ -211,3 +211,23 @@ def test_headroom_with_a_cluster_file_without_a_gpu_count(tmp_path):
     assert res.exit_code == 0, res.stderr
     h = json.loads(res.stdout)["headroom"]
     assert h["device_limit_gb"] == pytest.approx(80 * 2**30 / 1e9) and h["headroom_frac"] == 0.05
+
+
+def test_a_host_bound_plan_is_explained_with_what_removes_the_wait():
+    """A tiny Llama (h 64, 4 layers) on 8 H100 is launch-bound whatever the plan: the explanation says
+    how much of the step the GPUs wait for the host and what helps (CUDA graphs; with graphs already on,
+    the regions left uncaptured)."""
+    from autotune.report import _host_sentence
+    kw = dict(model="tests/data/tiny_llama_config.json", gpu="h100", gpus=8, global_batch=64, seq_len=1024)
+    rep = search_report(api.search(api.build_problem(**kw), top_k=3))
+    best = rep["best"]
+    assert best["time_breakdown_s"]["host_wait"] > 0.1 * best["step_time_s"]
+    assert "for the host" in rep["explanation"] and "--cuda-graph-impl transformer_engine" in rep["explanation"]
+    graphed = api.build_problem(**kw, framework={"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": "attn"})
+    assert "uncaptured regions" in _host_sentence(best, graphed)
+
+
+def test_a_gpu_bound_plan_says_nothing_of_the_host():
+    problem = api.build_problem(model="llama3-70b", gpu="h100", gpus=64, global_batch=256, seq_len=4096)
+    rep = search_report(api.search(problem, top_k=3))
+    assert "for the host" not in rep["explanation"]
