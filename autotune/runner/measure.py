@@ -74,18 +74,58 @@ def xla_memory_analysis(compiled) -> dict | None:
 #: the line of XLA's live-range dump (--xla_dump_to, *-live-range.txt) that totals the buffers live at the
 #: program's peak: parameters, outputs and temporaries, before they are packed into one block
 _LIVE_PEAK_LINE = re.compile(r"Stack trace breakdown for peak usage:\s*([0-9 ,]+)\s*bytes")
+#: the values listed live at that peak ("  name{index}: N bytes (cumulative ...)")
+_LIVE_VALUE = re.compile(r"^\s+(\S+?)\{([0-9,]*)\}: (\d+) bytes", re.M)
+#: a value of the buffer assignment (*-buffer-assignment.txt) and the slice of its allocation
+_BA_VALUE = re.compile(r"^\s*value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)")
+
+
+def _double_counted_bytes(live_text: str, assignment_path: str) -> float:
+    """Bytes that XLA's peak list counts twice: values that share one slice of an allocation (an
+    in-place update's operand and result, a while loop's carried buffer inside and outside the body)
+    are listed once each though they are one buffer. Each (allocation, offset) is counted once."""
+    if "(peak):" not in live_text or not os.path.exists(assignment_path):
+        return 0.0
+    where, alloc = {}, None
+    with open(assignment_path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.startswith("allocation "):
+                alloc = int(line.split()[1].rstrip(":"))
+                continue
+            m = _BA_VALUE.match(line)
+            if m and alloc is not None:
+                where[m.group(1)] = (alloc, int(m.group(3)))
+    peak = live_text.split("(peak):", 1)[1].split("Stack trace breakdown", 1)[0]
+    seen, extra = {}, 0.0
+    for name, index, size in _LIVE_VALUE.findall(peak):
+        key = where.get(name + (f"{{{index}}}" if index else ""))
+        if key is None:
+            continue
+        if key in seen:
+            extra += min(seen[key], int(size))
+            seen[key] = max(seen[key], int(size))
+        else:
+            seen[key] = int(size)
+    return extra
 
 
 def live_peak_bytes(dump_dir: str, module: str = "jit_fn") -> float | None:
     """The most bytes live at once in the newest compiled `module` dumped to `dump_dir` (XLA_FLAGS
     --xla_dump_to=DIR --xla_dump_hlo_as_text): what the program needs before XLA's heap simulator
-    packs the temporaries into one block of temp_size (that block is larger by the packing's gaps)."""
+    packs the temporaries into one block of temp_size (that block is larger by the packing's gaps).
+    A buffer that two values share (an in-place dynamic-update-slice of a loop-carried buffer: its
+    operand and its result) is counted once; XLA's report lists both at its peak."""
     files = glob.glob(os.path.join(dump_dir, f"*.{module}.*live-range.txt"))
     if not files:
         return None
-    with open(max(files, key=os.path.getmtime), encoding="utf-8") as fh:
-        m = _LIVE_PEAK_LINE.search(fh.read())
-    return float(re.sub(r"[ ,]", "", m.group(1))) if m else None
+    path = max(files, key=os.path.getmtime)
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    m = _LIVE_PEAK_LINE.search(text)
+    if not m:
+        return None
+    assignment = path.replace("-live-range.txt", "-buffer-assignment.txt")
+    return float(re.sub(r"[ ,]", "", m.group(1))) - _double_counted_bytes(text, assignment)
 
 
 def compiled_memory(shape: RunShape, devices) -> dict | None:

@@ -389,6 +389,17 @@ def head_loss(x, targets, params, shard=no_shard, dtype=jnp.float32):
     return jnp.mean(logz - gold)
 
 
+def head_loss_rows(x, targets, final_norm, head_rows, shard=no_shard):
+    """`head_loss` with the output layer stored as rows [V, h] (the pipeline's last stage keeps it in its
+    slot of the embedding-shaped "ends" stack) and the weights already in the compute dtype: the logits
+    contract `head_rows` as stored, so the backward pass needs the weight itself, not a transposed copy."""
+    x = shard(rms_norm(x, final_norm), "hidden_full")
+    logits = shard(jnp.einsum("bsh,vh->bsv", x, head_rows).astype(jnp.float32), "logits")
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - gold)
+
+
 def reference_loss(params, tokens, targets, dm: Dims, recompute="none", dtype=jnp.float32):
     """The unsharded model: one device, the whole batch at once (the equivalence tests' oracle)."""
     positions = jnp.arange(tokens.shape[1])

@@ -17,9 +17,13 @@ token exchange, which is an explicit `shard_map` with two `all_to_all`s over "ep
 * EP: expert weights over "ep"; tokens sent to their experts' ranks with all_to_all and back.
 * PP: layers over "pp" as [pp, L/pp] stacks, GPipe schedule (Huang et al. 2019): each tick every
   stage runs its layers on its buffer (vmap with spmd_axis_name="pp"), then the buffers shift one
-  stage (a collective permute); pp - 1 bubble ticks; all micro-batches' activations stay until the
-  backward pass (GPipe's memory, not 1F1B's). vpp > 1: [pp, vpp, L/(pp vpp)] stacks in Megatron's
-  interleaved placement (stage s holds chunks s, s + pp, ...), run as vpp GPipe passes round the ring.
+  stage (a collective permute); pp - 1 bubble ticks. The forward and backward are written out: each
+  stage stores the residuals of its `jax.vjp` in m slots, one per micro-batch (GPipe's memory, not
+  1F1B's; bubble ticks store nothing), and the backward ticks run in reverse on them. The embedding
+  and the output layer are one [pp, V, h] stack over "pp": the first rank holds the embedding, the
+  last the output layer, and only the last computes a loss that counts. vpp > 1: [pp, vpp, L/(pp vpp)]
+  stacks in Megatron's interleaved placement (stage s holds chunks s, s + pp, ...), run as vpp GPipe
+  passes round the ring.
 * Recompute: "selective" checkpoints the attention core, "full" whole layers (jax.checkpoint with
   nothing_saveable).
 * Gradient accumulation over micro-batches (lax.scan) without PP (one backward pass when m = 1); AdamW
@@ -115,7 +119,8 @@ _WEIGHT_SPECS = {"attn_norm": P(None), "mlp_norm": P(None), "final_norm": P(None
                  "wq": P(None, "tp"), "wk": P(None, "tp"), "wv": P(None, "tp"), "wo": P("tp", None),
                  "w_gate": P(None, "tp"), "w_up": P(None, "tp"), "w_down": P("tp", None),
                  "router": P(None, None), "e_gate": P("ep", None, None), "e_up": P("ep", None, None),
-                 "e_down": P("ep", None, None), "embed": P("tp", None), "head": P(None, "tp")}
+                 "e_down": P("ep", None, None), "embed": P("tp", None), "head": P(None, "tp"),
+                 "ends": P("tp", None)}
 
 
 def zero_spec(name: str, spec: P, shape: tuple, plan: Plan) -> P:
@@ -152,16 +157,28 @@ def param_specs(params: dict, plan: Plan, zero: bool) -> dict:
             spec = P(*pre, *inner) if stacked else inner
         return spec
 
-    out = {k: one(k, v, False) for k, v in params.items() if k != "layers"}
+    out = {k: one(k, v, False) for k, v in params.items() if k not in ("layers", "ends")}
     out["layers"] = {k: one(k, v, True) for k, v in params["layers"].items()}
+    if "ends" in params:                 # [pp, V, h]: one stage's slot per pipeline rank
+        base = zero_spec("ends", _WEIGHT_SPECS["ends"], params["ends"].shape[1:], plan) if zero \
+            else _WEIGHT_SPECS["ends"]
+        out["ends"] = P("pp", *base)
     return out
 
 
 def stack_for_pipeline(params: dict, plan: Plan) -> dict:
     """Layers [L] -> [pp, L/pp] (stage s: layers s*L/pp ...), or with vpp > 1 -> [pp, vpp, L/(pp*vpp)]
-    in Megatron's interleaved placement: stage s holds model chunks s, s + pp, s + 2 pp, ..."""
+    in Megatron's interleaved placement: stage s holds model chunks s, s + pp, s + 2 pp, ...
+    The embedding and the output layer become one [pp, V, h] stack sharded over "pp" ("ends"): the
+    first stage's slot holds the embedding, the last stage's the output layer as rows (head^T; with
+    tied embeddings a copy of the embedding, as Megatron keeps one on the last stage), the middle
+    stages' slots are zeros (an SPMD program gives every rank buffers of one shape)."""
     if plan.pp == 1:
         return params
+    embed = params["embed"]
+    rows = embed if "head" not in params else params["head"].T
+    ends = jnp.stack([embed] + [jnp.zeros_like(embed)] * (plan.pp - 2) + [rows])
+    params = {**{k: v for k, v in params.items() if k not in ("embed", "head")}, "ends": ends}
     if plan.vpp == 1:
         lay = {k: v.reshape(plan.pp, v.shape[0] // plan.pp, *v.shape[1:]) for k, v in params["layers"].items()}
     else:
@@ -171,8 +188,13 @@ def stack_for_pipeline(params: dict, plan: Plan) -> dict:
     return {**params, "layers": lay}
 
 
-def unstack_pipeline(params: dict) -> dict:
-    """The inverse of stack_for_pipeline: layers back to [L] in model order."""
+def unstack_pipeline(params: dict, tied: bool = False) -> dict:
+    """The inverse of stack_for_pipeline: layers back to [L] in model order, the embedding (and the
+    output layer unless `tied`) out of the "ends" stack."""
+    if "ends" in params:
+        ends = params["ends"]
+        params = {**{k: v for k, v in params.items() if k != "ends"}, "embed": ends[0],
+                  **({} if tied else {"head": ends[-1].T})}
     extra = params["layers"]["attn_norm"].ndim - 1        # stacked axes: 1 (L), 2 (pp, L/pp), 3 (pp, vpp, .)
     if extra == 1:
         return params
@@ -305,51 +327,179 @@ class ShardedModel:
         x = self._stack_fn()(x, weights["layers"])
         return M.head_loss(x, targets, outer, self.shard, self.cdt)
 
-    def _gpipe_pass(self, x_in, layers):
-        """One GPipe pass over "pp" of the m micro-batches x_in [m, b, s, h] through the stages'
-        `layers` ([pp, n, ...]): pp - 1 bubble ticks, then one micro-batch out per tick."""
-        pp = self.plan.pp
-        pad = jnp.zeros((pp - 1, *x_in.shape[1:]), x_in.dtype)
-        feed = jnp.concatenate([x_in, pad], axis=0)
-        stage = jax.vmap(self._stack_fn(), spmd_axis_name="pp")
+    # -- the pipeline: GPipe written out, forward and backward -------------------------------------
+    # Every tick each stage runs its function on its buffer (vmap over the stages' slots with
+    # spmd_axis_name="pp": one SPMD program, stage s on the "pp" rank s), then the buffers shift one
+    # stage (a collective permute). Stage s runs micro-batch j = t - s at tick t; the other ticks are
+    # its bubble. A stage's forward is `jax.vjp` of its function, and the residuals it returns are
+    # stored explicitly in the stage's m slots, one per micro-batch (GPipe keeps m in flight [Huang
+    # et al. 2019 sec. 2.3]); bubble ticks write nothing. The stage's weights, which autodiff returns
+    # among the residuals, are not stored: the backward pass passes them in again. The backward pass
+    # runs the ticks in reverse, each stage applying the stored residuals of the micro-batch it ran
+    # at that tick to the gradient the next stage sent, and accumulating its weights' gradient.
+
+    def _stage_fn(self, first: bool, last: bool):
+        """One stage's work on one micro-batch: (embedding on stage 0 of the first pass), its layers,
+        (final norm, output layer and loss on the last stage of the last pass). Every rank of the
+        SPMD program computes the same ops; the embedding's and the loss's are kept (selected) only
+        on the stage that owns them, so the other ranks' results carry no gradient."""
+        stack, pp = self._stack_fn(), self.plan.pp
+
+        def fn(x_in, w, tok, tgt, s):
+            x = x_in
+            if first:
+                x = jnp.where(s == 0, M.embed(tok, {"embed": w["end"]}, self.shard, self.cdt), x_in)
+            y = stack(x, w["layers"])
+            loss = M.head_loss_rows(y, tgt, w["final_norm"], w["end"], self.shard) if last else \
+                jnp.zeros((), jnp.float32)
+            return y, jnp.where(s == pp - 1, loss, 0.0)
+        return fn
+
+    @staticmethod
+    def _w_axes(w: dict) -> dict:
+        return {k: (None if k == "final_norm" else 0) for k in w}
+
+    def _forward_pass(self, w, tokens, targets, feed, *, first: bool, last: bool):
+        """GPipe's forward of the m micro-batches through one chunk of every stage. Returns the stored
+        residuals ([pp, m, ...] per leaf), how to rebuild the backward functions from them, the loss
+        summed over micro-batches (last pass) and the last stage's outputs [m, b, s, h] (not the last
+        pass: the next chunk's inputs)."""
+        pp, m = self.plan.pp, tokens.shape[0]
+        ticks, stage_ids = m + pp - 1, jnp.arange(pp)
+        fn, meta = self._stage_fn(first, last), {}
+
+        def fwd_stage(x_in, w_, tok, tgt, s):
+            (y, loss), vjp = jax.vjp(lambda x, ww: fn(x, ww, tok, tgt, s), x_in, w_)
+            leaves, meta["tree"] = jax.tree.flatten(vjp)
+            wl = jax.tree.leaves(w_)
+            # a residual that is one of the stage's weights is passed in again at backward, not stored
+            meta["weight_of"] = tuple(next((i for i, q in enumerate(wl) if r is q), None) for r in leaves)
+            return y, loss, [r for r, i in zip(leaves, meta["weight_of"]) if i is None]
+
+        stage = jax.vmap(fwd_stage, in_axes=(0, self._w_axes(w), 0, 0, 0), spmd_axis_name="pp")
         buf_spec = P("pp", *self.act["hidden"])
+        b, s_len = tokens.shape[1:]
+        buf0 = self.wsc(jnp.zeros((pp, b, s_len, self.dm.hidden), self.cdt), buf_spec)
 
-        def tick(buf, x_t):
-            buf = self.wsc(buf.at[0].set(x_t), buf_spec)
-            out = self.wsc(stage(buf, layers), buf_spec)
-            return jnp.roll(out, 1, axis=0), out[pp - 1]
+        def inputs(t):
+            j = t - stage_ids
+            jc = jnp.clip(j, 0, m - 1)
+            return (j >= 0) & (j < m), tokens[jc], targets[jc]
 
-        buf0 = self.wsc(jnp.zeros((pp, *x_in.shape[1:]), x_in.dtype), buf_spec)
-        _, outs = jax.lax.scan(tick, buf0, feed)
-        return outs[pp - 1:]
+        shapes = jax.eval_shape(lambda bb, ww: stage(bb, ww, *inputs(0)[1:], stage_ids)[2], buf0, w)
+        store0 = [jnp.zeros((pp, m, *r.shape[1:]), r.dtype) for r in shapes]
 
-    def pipeline_loss(self, weights, tokens, targets):
-        """GPipe over "pp": tokens [m, dp*mbs, s]; mean loss over the m micro-batches. With vpp > 1
-        the stages hold Megatron's interleaved chunks and the micro-batches go round the ring vpp
-        times, one GPipe pass per chunk (the same math and placement as the interleaved schedule;
-        its timing is GPipe's: a (pp-1)-tick bubble per pass, not Megatron's (pp-1)/vpp)."""
-        outer = self._outer(weights)
-        x = jax.vmap(lambda t: M.embed(t, outer, self.shard, self.cdt))(tokens)     # [m, b, s, h]
-        if self.plan.vpp == 1:
-            outs = self._gpipe_pass(x, weights["layers"])
-        else:
-            for c in range(self.plan.vpp):
-                x = self._gpipe_pass(x, jax.tree.map(lambda w, c=c: w[:, c], weights["layers"]))
-            outs = x
-        # the last stage's loss one micro-batch at a time (lax.map, not vmap): each keeps its fp32 logits
-        # until its backward, which then computes one micro-batch's logit gradient at a time (a vmap
-        # would differentiate all m at once: m logit gradients live together, twice)
-        losses = jax.lax.map(lambda xt: M.head_loss(xt[0], xt[1], outer, self.shard, self.cdt), (outs, targets))
-        return jnp.mean(losses)
+        def tick(carry, t):
+            buf, store, loss_sum = carry
+            if feed is not None:
+                buf = buf.at[0].set(feed[jnp.minimum(t, m - 1)])
+            valid, tok, tgt = inputs(t)
+            y, loss, kept = stage(self.wsc(buf, buf_spec), w, tok, tgt, stage_ids)
+            slot = t % m           # stage s runs micro-batches 0..m-1 at ticks s..s+m-1: one slot each
+            # dynamic_update_slice, in place in the loop's buffer (`.at[:, slot].set` would be a scatter,
+            # which XLA's CPU backend copies whole)
+            store = [jax.lax.dynamic_update_index_in_dim(
+                st, jnp.where(valid.reshape(-1, *[1] * (r.ndim - 1)), r, jax.lax.dynamic_index_in_dim(st, slot, 1, False)),
+                slot, 1) for st, r in zip(store, kept)]
+            loss_sum = loss_sum + jnp.sum(jnp.where(valid, loss, 0.0))
+            out = self.wsc(y, buf_spec)
+            return (jnp.roll(out, 1, axis=0), store, loss_sum), (None if last else out[pp - 1])
+
+        (_, store, loss_sum), outs = jax.lax.scan(tick, (buf0, store0, jnp.zeros((), jnp.float32)),
+                                                  jnp.arange(ticks))
+        return store, meta, loss_sum, (None if last else outs[pp - 1:])
+
+    def _backward_pass(self, w, store, meta, d_outs, batch_shape, *, first: bool, last: bool):
+        """The forward pass's ticks in reverse: stage s applies the residuals of the micro-batch it ran
+        at tick t to the gradient stage s + 1 sent. Returns the weights' fp32 gradients (per stage:
+        [pp, ...], the final norm's too) and, unless `first`, the gradient of the pass's inputs
+        [m, b, s, h] (the previous chunk's outputs)."""
+        pp, m = self.plan.pp, store[0].shape[1]
+        ticks, stage_ids = m + pp - 1, jnp.arange(pp)
+        axes = self._w_axes(w)
+
+        def bwd_stage(kept, w_, dy, dloss):
+            wl, it = jax.tree.leaves(w_), iter(kept)
+            leaves = [next(it) if i is None else wl[i] for i in meta["weight_of"]]
+            return jax.tree.unflatten(meta["tree"], leaves)((dy, dloss))
+
+        stage = jax.vmap(bwd_stage, in_axes=(0, axes, 0, 0), spmd_axis_name="pp")
+        buf_spec = P("pp", *self.act["hidden"])
+        acc0 = {k: jax.tree.map(lambda a, k=k: jnp.zeros((pp, *(a.shape if axes[k] is None else a.shape[1:])),
+                                                          jnp.float32), v) for k, v in w.items()}
+        dbuf0 = self.wsc(jnp.zeros((pp, *batch_shape, self.dm.hidden), self.cdt), buf_spec)
+
+        def tick(carry, t):
+            dbuf, acc = carry
+            j = t - stage_ids
+            valid = (j >= 0) & (j < m)
+            # the last stage's output goes to the next chunk (its gradient comes back from there) or,
+            # on the last pass, only into the loss
+            d_last = jnp.zeros_like(dbuf[pp - 1]) if d_outs is None else d_outs[jnp.clip(t - (pp - 1), 0, m - 1)]
+            dbuf = dbuf.at[pp - 1].set(d_last)
+            dy = jnp.where(valid.reshape(-1, 1, 1, 1), dbuf, jnp.zeros_like(dbuf))
+            dloss = jnp.where(valid & (stage_ids == pp - 1), 1.0 / m, 0.0) if last else jnp.zeros((pp,), jnp.float32)
+            kept = [jax.lax.dynamic_index_in_dim(st, t % m, 1, False) for st in store]
+            dx, dw = stage(kept, w, self.wsc(dy, buf_spec), dloss)
+            acc = jax.tree.map(lambda a_, g: a_ + g.astype(jnp.float32), acc, dw)
+            dx = self.wsc(dx, buf_spec)
+            return (jnp.roll(dx, -1, axis=0), acc), (None if first else dx[0])
+
+        (_, grads), d_in = jax.lax.scan(tick, (dbuf0, acc0), jnp.arange(ticks), reverse=True)
+        return grads, (None if first else d_in[:m])
+
+    def pipeline_loss_and_grads(self, weights, tokens, targets):
+        """GPipe over "pp": tokens [m, dp*mbs, s]; the mean loss over the m micro-batches and the fp32
+        gradient. With vpp > 1 the stages hold Megatron's interleaved chunks and the micro-batches go
+        round the ring vpp times, one GPipe pass per chunk (the same math and placement as the
+        interleaved schedule; its timing is GPipe's: a (pp-1)-tick bubble per pass, not Megatron's
+        (pp-1)/vpp; between passes the last stage's outputs of all m micro-batches wait in one
+        [m, b, s, h] buffer, which Megatron's schedule sends on at once)."""
+        v, m = self.plan.vpp, tokens.shape[0]
+        ends = self.wsc(weights["ends"].astype(self.cdt), P("pp", *_WEIGHT_SPECS["ends"]))
+        fnorm = self.wsc(weights["final_norm"].astype(self.cdt), _WEIGHT_SPECS["final_norm"])
+        chunk = (lambda c: weights["layers"]) if v == 1 else \
+            (lambda c: jax.tree.map(lambda x: x[:, c], weights["layers"]))         # noqa: E731
+
+        def stage_weights(c):
+            w = {"layers": chunk(c)}
+            if c in (0, v - 1):
+                w["end"] = ends
+            if c == v - 1:
+                w["final_norm"] = fnorm
+            return w
+
+        feed, passes, loss_sum = None, [], None
+        for c in range(v):
+            store, meta, loss_sum, feed = self._forward_pass(stage_weights(c), tokens, targets, feed,
+                                                             first=c == 0, last=c == v - 1)
+            passes.append((store, meta))
+        d_outs, g_layers, g_end, g_norm = None, [None] * v, 0.0, None
+        for c in reversed(range(v)):
+            store, meta = passes[c]
+            g, d_outs = self._backward_pass(stage_weights(c), store, meta, d_outs, tokens.shape[1:],
+                                            first=c == 0, last=c == v - 1)
+            g_layers[c] = g["layers"]
+            g_end = g_end + g.get("end", 0.0)
+            if "final_norm" in g:
+                g_norm = jnp.sum(g["final_norm"], axis=0)
+            passes[c] = None
+        if self.dm.tied_embeddings:
+            # the first stage's embedding and the last stage's copy take the sum of both gradients (Megatron
+            # all-reduces the word-embedding gradient between them), so the two copies stay equal
+            g_end = g_end + jnp.flip(g_end, axis=0)
+        layers = g_layers[0] if v == 1 else jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *g_layers)
+        return loss_sum / m, {"layers": layers, "ends": g_end, "final_norm": g_norm}
 
     def loss_and_grads(self, weights, tokens, targets):
         """Mean loss over the step's micro-batches and the fp32 gradient (accumulated in the
         gradient spec: replicated over DP, or sharded with ZeRO-2/3)."""
-        if self.plan.pp > 1 or tokens.shape[0] == 1:
-            # one backward pass produces the step's gradient (the pipeline's, or a single micro-batch's)
-            fn = self.pipeline_loss if self.plan.pp > 1 else \
-                (lambda w, t, y: self.micro_batch_loss(w, t[0], y[0]))                   # noqa: E731
-            loss, g = jax.value_and_grad(fn)(weights, tokens, targets)
+        if self.plan.pp > 1:
+            loss, g = self.pipeline_loss_and_grads(weights, tokens, targets)
+            return loss, self._constrain_tree(g, self.grad_specs)
+        if tokens.shape[0] == 1:
+            # one backward pass produces the step's gradient
+            loss, g = jax.value_and_grad(lambda w, t, y: self.micro_batch_loss(w, t[0], y[0]))(weights, tokens, targets)
             return loss, self._constrain_tree(jax.tree.map(lambda x: x.astype(jnp.float32), g), self.grad_specs)
         m = tokens.shape[0]
         acc0 = self._constrain_tree(jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights),

@@ -8,8 +8,8 @@ The prediction is the dynamic part (weights, gradients, optimizer, activations, 
 framework bytes (CUDA context, NCCL) and the allocator's fragmentation factor are left out, since
 XLA's buffer assignment has neither. The runner's attention is unfused on CPU, so the cost model is
 asked for --attention-backend unfused. Its pipeline schedule is GPipe (every micro-batch's
-activations live until the backward pass) while the cost model assumes 1F1B (pp in flight): pp rows
-differ for that reason and are reported, not hidden. Target: within 15 %.
+activations live until the backward pass), and the cost model is asked for GPipe too (the run's
+framework options, autotune/verify.py RUN_FRAMEWORK). Target: within 15 %.
 """
 from __future__ import annotations
 
