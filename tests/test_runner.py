@@ -27,6 +27,7 @@ CASES = [
     ("dense", {"tp": 2, "dp": 2, "mbs": 2, "zero": 1}),                     # TP (no SP), DP, 2 micro-batches, ZeRO-1
     ("dense", {"tp": 2, "sp": True, "cp": 2, "dp": 2, "zero": 2, "recompute": "selective"}),  # SP, CP, ZeRO-2
     ("dense", {"dp": 4, "zero": 3, "recompute": "full"}),                    # ZeRO-3 + full recompute
+    ("dense", {"dp": 4, "zero": 3, "mbs": 1}),                               # ZeRO-3 gathering again in backward, 2 micro-batches
     ("dense", {"pp": 2, "tp": 2, "dp": 2, "sp": True, "zero": 1, "recompute": "full"}),
     ("moe", {"tp": 2, "sp": True, "dp": 4, "ep": 2}),                        # EP all_to_all + TP
     ("moe", {"pp": 2, "dp": 2, "ep": 2, "zero": 3, "mbs": 2}),               # PP + EP + ZeRO-3

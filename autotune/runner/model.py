@@ -22,7 +22,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from costmodels.specs import ModelSpec
 
@@ -345,22 +344,34 @@ def layer(x, p, positions, dm: Dims, *, shard=no_shard, recompute: str = "none",
     return shard(x + y, "hidden")
 
 
-#: name of a ZeRO-3 layer's gathered weights (never kept for backward: gathered again there)
-GATHERED = "zero3_gathered_weight"
+def regather_policy(gather_shardings) -> Callable[..., bool]:
+    """The jax.checkpoint policy of a ZeRO-3 layer: save everything for backward except the all-gathered
+    weights, which the backward pass gathers again from the shards (Rajbhandari et al. 2020 sec. 5.3;
+    torch FSDP's reshard_after_forward, Megatron-FSDP, DeepSpeed ZeRO-3 free a layer's gathered weights
+    after its forward). The gather is the `with_sharding_constraint` of a shard to one of
+    `gather_shardings` (the compute specs of the layer's weights; no activation has one: theirs all
+    split the batch), so that constraint is what must not be saved: refusing only a name put on its
+    output would save the constraint's output instead (the name is then recomputed from it). jax 0.10's
+    `save_anything_except_these_names` cannot be used either: it saves everything (its body is
+    `return True`)."""
+    from jax._src.pjit import sharding_constraint_p
+    refused = tuple(gather_shardings)
+
+    def saveable(prim, *_, **params):
+        return not (prim is sharding_constraint_p and any(params.get("sharding") == g for g in refused))
+    return saveable
 
 
 def layers_scan(x, layer_params, positions, dm: Dims, *, shard=no_shard, recompute="none",
-                moe_dispatch=None, cast=None, attention="xla", attention_fn=None, regather: bool = False):
+                moe_dispatch=None, cast=None, attention="xla", attention_fn=None, regather=None):
     """Run a stack of layers ([n, ...] leading axis) with lax.scan. `cast(p)` turns a layer's stored
     weights into compute weights (bf16 cast, and the ZeRO-3 all-gather) inside the scan, so gathered
-    weights live one layer at a time. With `regather` (ZeRO-3) the backward pass gathers them again
-    instead of keeping every layer's gathered copy (Rajbhandari et al. 2020 sec. 5.3; FSDP's
-    reshard_after_forward)."""
+    weights live one layer at a time. `regather` (ZeRO-3: `regather_policy(...)`) checkpoints each
+    layer with that policy, so the backward pass gathers the weights again instead of keeping every
+    layer's gathered copy in the scan's residual stack."""
     def run(h_, p_):
         if cast is not None:
             p_ = cast(p_)
-            if regather:
-                p_ = {k: checkpoint_name(v, GATHERED) for k, v in p_.items()}
         return layer(h_, p_, positions, dm, shard=shard, recompute=recompute, moe_dispatch=moe_dispatch,
                      attention=attention, attention_fn=attention_fn)
 
@@ -368,8 +379,8 @@ def layers_scan(x, layer_params, positions, dm: Dims, *, shard=no_shard, recompu
         fn = run
         if recompute == "full":
             fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
-        elif regather:
-            fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
+        elif regather is not None:
+            fn = jax.checkpoint(fn, policy=regather)
         return fn(h, p), None
     x, _ = jax.lax.scan(body, x, layer_params)
     return x

@@ -260,6 +260,12 @@ class ShardedModel:
             return lambda p: {k: self.wsc(v.astype(cdt), specs[k]) for k, v in p.items()}
         return lambda p: {k: v.astype(cdt) for k, v in p.items()}
 
+    def _regather(self):
+        """ZeRO-3: the policy that keeps each layer's gathered weights out of its saved residuals."""
+        if self.plan.zero < 3:
+            return None
+        return M.regather_policy({self._ns(_WEIGHT_SPECS[k]) for k in M.layer_param_shapes(self.dm)})
+
     def _ring_attention(self):
         """CP > 1: ring attention over "cp" (K/V blocks passed with ppermute), else None (plain attention)."""
         if self.plan.cp == 1:
@@ -309,7 +315,7 @@ class ShardedModel:
         positions = jnp.arange(self.shape.seq_len)
         return partial(M.layers_scan, positions=positions, dm=self.dm, shard=self.shard,
                        recompute=self.shape.recompute, moe_dispatch=self._moe_dispatch(),
-                       cast=self._layer_cast(), attention=self.shape.attention, regather=self.plan.zero >= 3,
+                       cast=self._layer_cast(), attention=self.shape.attention, regather=self._regather(),
                        attention_fn=self._ring_attention())
 
     def _outer(self, weights):
