@@ -17,13 +17,14 @@ from tests.test_runner import worker_json_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: (model of the benchmark, plan): dense without recompute, ZeRO-1 over DP, selective recompute, ring
-#: attention (CP), MoE, MoE with EP, and a pipeline (the runner's GPipe keeps m micro-batches per stage,
+#: attention (CP), MoE, MoE with EP, a pipeline (the runner's GPipe keeps m micro-batches per stage,
 #: the embedding on the first rank and the output layer on the last; the other pipeline rows, -9.6 to
-#: -12.0 %, are in the benchmark: README, "Memory, cost model vs XLA")
+#: -12.0 %, are in the benchmark: README, "Memory, cost model vs XLA") and ZeRO-3 (each layer's weights
+#: gathered again in backward, not kept in the layer scan's residuals: -16.8 % before, -4.7 % now)
 CASES = [("tiny (h64, L4)", "tp=1,dp=1,mbs=4"), ("tiny (h64, L4)", "dp=2,mbs=4,zero=1"),
          ("tiny (h64, L4)", "tp=1,mbs=4,recompute=selective"), ("tiny (h64, L4)", "cp=2,mbs=4"),
          ("tiny MoE (E4 k2)", "tp=1,mbs=4"), ("tiny MoE (E4 k2)", "dp=2,ep=2,mbs=4"),
-         ("tiny (h64, L4)", "pp=2,mbs=2")]
+         ("tiny (h64, L4)", "pp=2,mbs=2"), ("tiny (h64, L4)", "dp=4,mbs=2,zero=3")]
 TOLERANCE_PCT = 15.0
 
 _SCRIPT = """
