@@ -354,11 +354,10 @@ def regather_policy(gather_shardings) -> Callable[..., bool]:
     output would save the constraint's output instead (the name is then recomputed from it). jax 0.10's
     `save_anything_except_these_names` cannot be used either: it saves everything (its body is
     `return True`)."""
-    from jax._src.pjit import sharding_constraint_p
     refused = tuple(gather_shardings)
 
-    def saveable(prim, *_, **params):
-        return not (prim is sharding_constraint_p and any(params.get("sharding") == g for g in refused))
+    def saveable(prim, *_, **params):          # the primitive by its public name (no private import)
+        return not (prim.name == "sharding_constraint" and any(params.get("sharding") == g for g in refused))
     return saveable
 
 
