@@ -20,9 +20,9 @@ from optuna.trial import TrialState
 
 from costmodels.plan import PLAN_FIELDS
 from costmodels.specs import SpecError
-from search_spaces.optuna_space import GpuRange, PlanSpace, parse_gpus
+from search_spaces.optuna_space import PlanSpace
 
-from .ask_tell import STALE_AFTER_S, BatchScorer, RunStats, fail_stale, plan_dict, run_batches, worker_id
+from .ask_tell import STALE_AFTER_S, BatchScorer, RunStats, fail_stale, run_batches, worker_id
 from .objectives import CONSTRAINT, OBJECTIVES, directions, parse_objectives, trial_metrics
 from .samplers import DEFAULT_SAMPLER, make_sampler
 from .search import MESH, NoLegalPlan, NothingFits, SearchResult, _closest_message

@@ -30,7 +30,6 @@ from optuna.samplers import BaseSampler
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from costmodels.specs import SpecError
 from search_spaces.optuna_space import TABLE_KNOBS, PlanSpace
 
 from .sampler_names import CONSTRAINT_AWARE, DEFAULT_SAMPLER, SAMPLERS, check_sampler  # noqa: F401 (re-exported)

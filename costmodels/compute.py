@@ -241,23 +241,24 @@ def moe_kernels(S: Shapes, M: dict, J: dict):
     return MOE_EXTRA_KERNELS + local * per_expert
 
 
+def _tp_collectives(S: Shapes):
+    return (S.tp > 1) * TP_COLLECTIVES_PER_LAYER * (1.0 + S.sp)
+
+
 def layer_kernels(S: Shapes, M: dict, J: dict):
     """Kernels (collectives included) a dense and an MoE layer launch forward, per micro-batch."""
-    dense = (KERNELS_PER_LAYER + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS
-             + (S.tp > 1) * TP_COLLECTIVES_PER_LAYER * (1.0 + S.sp))
+    dense = KERNELS_PER_LAYER + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS + _tp_collectives(S)
     moe = dense + moe_kernels(S, M, J) + (S.ep > 1) * EP_COLLECTIVES_PER_MOE_LAYER
     return dense, moe
 
 
-def host_kernels(S: Shapes, M: dict, J: dict):
-    """Launches the host issues per dense and per MoE layer forward with the job's CUDA graphs
-    (encode.cuda_graph_capture, 0/1 per region): a captured region's kernels are replayed by one graph
-    launch; a full-iteration graph replays the whole forward-backward (no per-layer launch). The TP
-    collectives split evenly between the attention and the MLP block (each has one, or one pair with
-    SP); with moe_router only, an MoE layer's MLP-side collectives stay in its eager dispatch."""
-    n_dense, n_moe = layer_kernels(S, M, J)
-    attn = (KERNELS_ATTN_BLOCK + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS
-            + (S.tp > 1) * TP_COLLECTIVES_PER_LAYER * (1.0 + S.sp) / 2.0)
+def host_kernels(S: Shapes, J: dict, n_dense, n_moe):
+    """Launches the host issues per dense and per MoE layer forward (of the `layer_kernels` counts) with
+    the job's CUDA graphs (encode.cuda_graph_capture, 0/1 per region): a captured region's kernels are
+    replayed by one graph launch; a full-iteration graph replays the whole forward-backward (no per-layer
+    launch). The TP collectives split evenly between the attention and the MLP block (each has one, or
+    one pair with SP); with moe_router only, an MoE layer's MLP-side collectives stay in its eager dispatch."""
+    attn = KERNELS_ATTN_BLOCK + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS + _tp_collectives(S) / 2.0
     router_side = J["cg_router"] * (NORM_KERNELS + MOE_ROUTER_KERNELS) + J["cg_preprocess"] * MOE_PREPROCESS_KERNELS
     moe_side = J["cg_moe"] * (n_moe - attn) + (1.0 - J["cg_moe"]) * router_side
     moe_graph = jnp.maximum(J["cg_moe"], jnp.maximum(J["cg_router"], J["cg_preprocess"]))
@@ -272,7 +273,7 @@ def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> Lay
     elem_attn, elem_dense, elem_moe = elementwise_s(S, M, H, J, e)
     mlp_moe, mlp_moe_shared = moe_mlp_s(S, M, H, J, e)
     n_dense, n_moe = layer_kernels(S, M, J)
-    host_dense, host_moe = host_kernels(S, M, J)
+    host_dense, host_moe = host_kernels(S, J, n_dense, n_moe)
     return LayerWork(
         attn_proj=attention_projections_s(S, M, H, J, e), attn_core=attention_core_s(S, M, H, J, e),
         mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=dense_mlp_s(S, M, H, J, e),
