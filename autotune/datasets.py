@@ -10,6 +10,8 @@ defaults use `public` + `small-scale`), so they are an out-of-sample check.
 """
 from __future__ import annotations
 
+import functools
+import json
 from importlib import resources
 from pathlib import Path
 
@@ -47,6 +49,20 @@ def dataset_path(name: str) -> str:
     if not path.is_file():
         raise SpecError("dataset", f"the bundled file {path} is missing (a broken install?)")
     return str(path)
+
+
+#: the Megatron-Bridge MoE rows' recipe settings (autotune/data/README.md, "recipe_settings.json")
+RECIPE_SETTINGS = "recipe_settings.json"
+
+
+@functools.lru_cache(maxsize=1)
+def recipe_settings() -> dict:
+    """Row id -> the MoE communication settings of the recipe that produced that published run."""
+    path = data_dir() / RECIPE_SETTINGS
+    if not path.is_file():
+        return {}
+    with open(path) as fh:
+        return json.load(fh).get("rows", {})
 
 
 def load_dataset(name: str) -> list:

@@ -180,6 +180,8 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     a += ["--attention-backend", fw.attention_backend.value]
     if problem.model.is_moe:
         a += ["--moe-token-dispatcher-type", fw.moe_token_dispatcher_type.value]
+    if fw.overlap_moe_expert_parallel_comm:
+        a += ["--overlap-moe-expert-parallel-comm"]
     if fw.cuda_graph_impl is not CudaGraphImpl.NONE:
         # arguments.py: --cuda-graph-modules (nargs='+'; none = the whole layer); full_iteration asserts
         # --no-check-for-nan-in-loss-and-grad
@@ -192,7 +194,11 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
 
 
 def _refuse_cuda_graphs(target: str, problem: Problem) -> None:
-    """The plan was scored with Megatron-Core's CUDA graphs, which other frameworks do not run."""
+    """The plan was scored with Megatron-Core's CUDA graphs (or its batch-level EP overlap), which
+    other frameworks do not run."""
+    if problem.job.framework.overlap_moe_expert_parallel_comm:
+        raise ExportRefused(target, "overlap_moe_expert_parallel_comm=true", f"Megatron-Core's batch-level EP "
+                            f"overlap has no {target} setting; score the plan without it, or export --to megatron / bridge")
     impl = problem.job.framework.cuda_graph_impl
     if impl is not CudaGraphImpl.NONE:
         raise ExportRefused(target, f"cuda_graph_impl={impl.value}", f"Megatron-Core's CUDA graphs have no {target} "
@@ -427,6 +433,8 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     o += [("ddp.grad_reduce_in_fp32", fw.grad_reduce_in_fp32), ("ddp.overlap_grad_reduce", fw.overlap_grad_reduce),
           ("ddp.overlap_param_gather", fw.overlap_param_gather and plan.zero >= 1),
           ("mixed_precision", _BRIDGE_PRECISION[job.precision]), ("comm_overlap.tp_comm_overlap", fw.tp_comm_overlap)]
+    if fw.overlap_moe_expert_parallel_comm:
+        o += [("comm_overlap.overlap_moe_expert_parallel_comm", True)]
     if fw.fp8_param_gather:
         o += [("model.fp8_param", True), ("ddp.fp8_param_gather", True)]
     if fw.cuda_graph_impl is not CudaGraphImpl.NONE:

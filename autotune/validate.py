@@ -17,11 +17,11 @@ import numpy as np
 from costmodels.params import EfficiencyParams
 from costmodels.plan import balanced_layout
 from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
-from costmodels.specs import (AttentionBackend, Framework, FrameworkSpec, JobSpec, ModelSpec, Precision,
-                              Recompute, SpecError)
+from costmodels.specs import (AttentionBackend, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec, ModelSpec, Precision,
+                              Recompute, SpecError, parse_cuda_graph_modules)
 from search_spaces.space import Problem, binding_rules
 
-from .datasets import gpu_generation
+from .datasets import gpu_generation, recipe_settings
 from .files import read_json
 from .search import NothingFits, NoLegalPlan, exhaustive
 
@@ -180,6 +180,23 @@ def _split_layout(model: ModelSpec, fixed: dict) -> str | None:
         return None
 
 
+def moe_recipe_options(row: dict) -> dict:
+    """How the recipe behind a published Megatron-Bridge MoE run moved its tokens (the dispatcher and
+    the batch-level EP overlap, autotune/data/recipe_settings.json); nothing for other rows, or where
+    no recipe matched the published parallelism."""
+    rec = recipe_settings().get(row.get("id", ""))
+    if not rec or rec.get("unknown") or rec.get("moe_token_dispatcher_type") is None:
+        return {}
+    out = {"moe_token_dispatcher_type": DispatcherType.parse(rec["moe_token_dispatcher_type"]),
+           "overlap_moe_expert_parallel_comm": bool(rec.get("overlap_moe_expert_parallel_comm"))}
+    impl = rec.get("cuda_graph_impl")
+    if impl and impl != "none":
+        scope = rec.get("cuda_graph_scope") or []
+        out["cuda_graph_modules"], out["cuda_graph_impl"] = parse_cuda_graph_modules(
+            [scope] if isinstance(scope, str) else scope, CudaGraphImpl.parse(impl))
+    return out
+
+
 _LORA = re.compile(r"\blora\b", re.IGNORECASE)
 
 
@@ -214,7 +231,8 @@ def case_from_row(row: dict) -> RowCase:
         # sets grad_reduce_in_fp32=False); Megatron-LM's own default with bf16 is fp32
         grad_reduce_in_fp32=not recipe,
         # their delayed-scaling and MXFP8 recipes gather fp8 primary weights (mixed_precision.py)
-        fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row))
+        fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row),
+        **moe_recipe_options(row))
     if isinstance((row.get("run") or {}).get("framework"), dict):    # a run that states its framework options
         from .problem import framework_spec                               # (autotune verify's records)
         framework = framework_spec(**row["run"]["framework"])

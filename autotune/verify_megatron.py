@@ -49,7 +49,9 @@ def megatron_framework(problem: Problem) -> dict:
             "tp_comm_overlap": fw.tp_comm_overlap, "grad_reduce_in_fp32": fw.grad_reduce_in_fp32,
             "fp8_param_gather": fw.fp8_param_gather, "overlap_grad_reduce": fw.overlap_grad_reduce,
             "overlap_param_gather": fw.overlap_param_gather,
-            "moe_token_dispatcher_type": fw.moe_token_dispatcher_type.value}
+            "moe_token_dispatcher_type": fw.moe_token_dispatcher_type.value,
+            "cuda_graph_impl": fw.cuda_graph_impl.value, "cuda_graph_modules": [m.value for m in fw.cuda_graph_modules],
+            "overlap_moe_expert_parallel_comm": fw.overlap_moe_expert_parallel_comm}
 
 
 def log_measurement(log_path: str, warmup: int) -> tuple[Measured, dict]:

@@ -16,7 +16,7 @@ from cli.common import (EXIT_NOTHING_FITS, EXIT_OK, check_problem_options, error
 from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt,  # noqa: E402
                          IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
-                         DispatcherOpt, CudaGraphImplOpt, CudaGraphModulesOpt, framework_options)
+                         DispatcherOpt, EpOverlapOpt, CudaGraphImplOpt, CudaGraphModulesOpt, framework_options)
 from costmodels.specs import SpecError
 
 
@@ -50,6 +50,7 @@ def explain(
     grad_reduce_in_bf16: GradReduceBf16Opt = None,
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
+    overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -67,7 +68,8 @@ def explain(
                                 inter_node_bw=inter_node_bw, cluster_file=cluster,
                                 framework=framework_options(framework, attention_backend, tp_comm_overlap,
                                                             grad_reduce_in_bf16, fp8_param_gather,
-                                                            moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules))
+                                                            moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
+                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm))
     params, _ = api.load_params(calibration, problem.cluster.gpu.name)
     if plan:
         the_plan = api.plan_from_text(plan, problem)
@@ -207,6 +209,7 @@ def whatif(
     grad_reduce_in_bf16: GradReduceBf16Opt = None,
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
+    overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -223,7 +226,8 @@ def whatif(
         from autotune.measurements import read_calibration
         calibrated_gpu = str(read_calibration(calibration)[1].get("gpu") or "").lower() or None
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
-                           moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules)
+                           moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
+                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
     rows = []
     for g in gpu:
         for bw in list(inter_node_bw or []) or [None]:

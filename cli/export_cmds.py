@@ -18,7 +18,7 @@ from rich.text import Text
 
 from cli.common import print_json as _print_json, stdout_console as _console
 from cli.options import (AttentionBackendOpt, CalibrationOpt, ClusterOpt, CudaGraphImplOpt, CudaGraphModulesOpt,
-                         DispatcherOpt, Fp8ParamGatherOpt,
+                         DispatcherOpt, EpOverlapOpt, Fp8ParamGatherOpt,
                          FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt, GpusPerNodeOpt, GradReduceBf16Opt, InterBwOpt,
                          IntraBwOpt, JsonOpt, MemLimitOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
                          framework_options)
@@ -143,6 +143,7 @@ def export_cmd(
     grad_reduce_in_bf16: GradReduceBf16Opt = None,
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
+    overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     as_json: JsonOpt = False,
@@ -153,7 +154,8 @@ def export_cmd(
     problem, plans, _ = _problem_and_plans(
         report, plan, model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw, inter_node_bw,
         cluster, framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16,
-                                   fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules), top)
+                                   fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
+                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm), top)
     exported = [export(target, p, problem) for p in plans]      # any refusal stops before writing
     paths = []
     if out:

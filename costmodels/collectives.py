@@ -64,18 +64,32 @@ def reduce_scatter_s(bytes_, n, stride, hw, eff, base_s=0.0):
 all_gather_s = reduce_scatter_s
 
 
-def all_to_all_s(bytes_, n, stride, hw, eff, base_s=0.0):
-    """All-to-all where each rank holds `bytes_` and keeps 1/n of it (token dispatch/combine)."""
+def all_to_all_s(bytes_, n, stride, hw, eff, base_s=0.0, remote_share=1.0):
+    """All-to-all where each rank holds `bytes_` and keeps 1/n of it (token dispatch/combine);
+    `remote_share` scales what leaves the NVLink domain (a dispatcher that sends a token once per
+    destination node instead of once per expert)."""
     intra_eff, inter_eff = eff
     k0 = _members_inside(hw["domain"], stride, n)
     k1 = _members_inside(hw["site"], stride, n)
     wan_share = hw["wan_bw"] / hw["site"]
     t_intra = bytes_ * (k0 - 1.0) / n / (hw["intra_bw"] * intra_eff)
-    t_inter = bytes_ * (k1 - k0) / n / (hw["inter_bw"] * inter_eff)
-    t_wan = bytes_ * (n - k1) / n / (wan_share * inter_eff)
+    t_inter = remote_share * bytes_ * (k1 - k0) / n / (hw["inter_bw"] * inter_eff)
+    t_wan = remote_share * bytes_ * (n - k1) / n / (wan_share * inter_eff)
     lat = jnp.where(n > k1, hw["wan_lat"], jnp.where(n > k0, hw["inter_lat"], hw["intra_lat"]))
     t = jnp.maximum(jnp.maximum(t_intra, t_inter), t_wan) + _steps(n) * lat + base_s
     return jnp.where(n > 1, t, 0.0)
+
+
+def node_dedup_share(top_k, n, stride, hw):
+    """Share of a token's remote copies a node-deduplicating dispatcher still sends: DeepEP / HybridEP
+    (Megatron-Core's flex dispatcher) send each token once to every other NVLink domain holding one of
+    its top-k experts and fan it out over NVLink there [DeepEP README, "normal kernels"]. With uniform
+    (force-balanced) routing over D domains a token reaches (D-1)(1-(1-1/D)^k) other domains in
+    expectation, against k(D-1)/D copies for a plain all-to-all."""
+    d = jnp.maximum(n / _members_inside(hw["domain"], stride, n), 1.0)
+    k = jnp.maximum(top_k, 1.0)
+    share = d * (1.0 - (1.0 - 1.0 / d) ** k) / k
+    return jnp.where(d > 1.0, jnp.minimum(share, 1.0), 1.0)
 
 
 def p2p_s(bytes_, stride, pp, hw, eff):

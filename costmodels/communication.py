@@ -12,6 +12,10 @@ Sources
         overlapped with the attention of the previous block.
   [GS]  GShard / Megatron-Core MoE: dispatch + combine all-to-all per MoE layer forward, the same
         backward.
+  [EPO] Megatron-Core MoE README, "EP A2A Overlap" (--overlap-moe-expert-parallel-comm, MCore 0.14):
+        the forward of one micro-batch and the backward of another merged layer by layer, each one's
+        all-to-alls under the other's compute; schedules.py: warm-up / cool-down passes stay unmerged.
+  [DEP] DeepEP README (normal kernels): a token crosses to another node once, then NVLink forwards it.
   [Z20] Rajbhandari et al. 2020 (ZeRO): stage 1/2 reduce-scatter + all-gather; stage 3 gathers
         parameters for forward and backward and reduce-scatters gradients (1.5x the traffic).
   [MG]  Megatron-LM distributed optimizer: reduce-scatter of gradients, all-gather of parameters,
@@ -24,6 +28,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from . import collectives as C
+from . import compute
 from .compute import ACT_BYTES, LayerTimes, LayerWork, Shapes
 from .params import EfficiencyParams
 
@@ -72,10 +77,31 @@ def layer_comm(S: Shapes, w: LayerWork, M: dict, H: dict, J: dict, e: Efficiency
     cp_fwd = jnp.maximum(cp_raw - e.cp_overlap * w.attn_core, (1.0 - e.cp_overlap) * cp_raw)
     cp_bwd = jnp.maximum(2.0 * cp_raw - e.cp_overlap * e.attn_bwd_ratio * w.attn_core,
                          (1.0 - e.cp_overlap) * 2.0 * cp_raw)
-    # EP [GS]: dispatch + combine all-to-all per MoE layer forward (and the same backward)
+    # EP [GS]: dispatch + combine all-to-all per MoE layer forward (and the same backward); the flex
+    # dispatcher sends a token to another node once, not once per expert there [DEP]
     a2a_bytes = S.routed_tokens * h * J["act_bytes"]
-    ep_fwd = 2.0 * C.all_to_all_s(a2a_bytes, S.ep, S.etp, H, link, lat) * (1.0 - e.ep_overlap) * S.is_moe
+    remote = jnp.where(J["flex_dispatch"] > 0, C.node_dedup_share(M["top_k"], S.ep, S.etp, H), 1.0)
+    t_a2a = 2.0 * C.all_to_all_s(a2a_bytes, S.ep, S.etp, H, link, lat, remote_share=remote) * S.is_moe
+    ep_fwd = jnp.where(J["ep_a2a_overlap"] > 0, merged_ep_exposed_s(S, t_a2a, compute.layer_times(w, e), e), t_a2a)
     return LayerComm(tp_pair, tp_dense, tp_moe, cp_fwd, cp_bwd, ep_fwd)
+
+
+def unmerged_share(S: Shapes):
+    """Share of a rank's forward chunk passes that the merged schedule cannot pair with a backward:
+    the warm-up of Megatron-Core's interleaved schedule on the first rank, (pp-1)*2 + (vpp-1)*pp
+    chunks (schedules.py get_pp_rank_microbatches), of m*vpp; without a pipeline the first forward
+    and the last backward, one of m."""
+    warm = jnp.where(S.pp > 1, (S.pp - 1.0) * 2.0 + (S.vpp - 1.0) * S.pp, 1.0)
+    return jnp.clip(warm / (S.micro_batches * S.vpp), 0.0, 1.0)
+
+
+def merged_ep_exposed_s(S: Shapes, t_a2a, lt: LayerTimes, e: EfficiencyParams):
+    """Exposed all-to-all per MoE layer pass with --overlap-moe-expert-parallel-comm [EPO]: a merged
+    forward + backward pair hides its 2 t_a2a under `ep_overlap` of the pair's compute; unmerged passes
+    expose theirs."""
+    hidden = jnp.minimum(2.0 * t_a2a, e.ep_overlap * (lt.fwd_moe + lt.bwd_moe))
+    u = unmerged_share(S)
+    return u * t_a2a + (1.0 - u) * (t_a2a - 0.5 * hidden)
 
 
 def pipeline_p2p_s(S: Shapes, M: dict, H: dict, slowest_stage_s, e: EfficiencyParams):

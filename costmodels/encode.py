@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .specs import ClusterSpec, CudaGraphImpl, CudaGraphModule, FrameworkSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
+from .specs import ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, FrameworkSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
 
 
 def encode_model(m: ModelSpec) -> dict:
@@ -128,6 +128,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         mb_grad_buffer=float(j.framework.microbatch_grad_buffer),
         moe_capacity=float(j.framework.moe_expert_capacity_factor),
         fp8_param=float(j.framework.fp8_param_gather),
+        ep_a2a_overlap=float(j.framework.overlap_moe_expert_parallel_comm),
+        flex_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.FLEX),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
         **cuda_graph_capture(j.framework),     # 0/1 per captured region (costmodels/compute.py host_kernels)
     )

@@ -14,32 +14,32 @@ import jax.numpy as jnp
 
 class EfficiencyParams(NamedTuple):
     # --- compute ---
-    gemm_eff_max: float = 0.6659          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
-    gemm_eff_max_fp8: float = 0.8552      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
-    gemm_dim_half: float = 10.3423         # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim
-    attn_eff_max: float = 0.3304          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
+    gemm_eff_max: float = 0.6657          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
+    gemm_eff_max_fp8: float = 0.9151      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
+    gemm_dim_half: float = 10.5563         # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim
+    attn_eff_max: float = 0.2318          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
     attn_seq_half: float = 256.0        # sequence length at which attention efficiency halves
     attn_bwd_ratio: float = 2.5         # flash-attention backward time / forward time (5 vs 2 GEMMs)
-    softmax_bytes_per_score: float = 8.4475  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
-    hbm_eff: float = 0.9240               # achieved fraction of HBM bandwidth for memory-bound kernels
-    elementwise_bytes_h: float = 7.9574   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
-    elementwise_bytes_f: float = 18.6875    # bytes moved per token per FFN unit per layer fwd (activation fn)
-    lp_cast_bytes: float = 0.5452          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
-    kernel_overhead_s: float = 9.186e-06     # launch + tail per kernel (dominates small models)
-    host_op_s: float = 5.025e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
+    softmax_bytes_per_score: float = 8.4557  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
+    hbm_eff: float = 0.9274               # achieved fraction of HBM bandwidth for memory-bound kernels
+    elementwise_bytes_h: float = 6.8523   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
+    elementwise_bytes_f: float = 20.8592    # bytes moved per token per FFN unit per layer fwd (activation fn)
+    lp_cast_bytes: float = 0.5620          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
+    kernel_overhead_s: float = 5.216e-06     # launch + tail per kernel (dominates small models)
+    host_op_s: float = 5.223e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
     # --- communication ---
-    intra_bw_eff: float = 0.9210          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
-    inter_bw_eff: float = 0.6787          # achieved NIC bandwidth fraction
-    tp_comm_overlap: float = 0.5217        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
-    dp_overlap: float = 0.4433             # fraction of DP grad reduce / param gather that may hide under compute
+    intra_bw_eff: float = 0.9212          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
+    inter_bw_eff: float = 0.7660          # achieved NIC bandwidth fraction
+    tp_comm_overlap: float = 0.5643        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
+    dp_overlap: float = 0.4376             # fraction of DP grad reduce / param gather that may hide under compute
     cp_overlap: float = 0.9             # fraction of ring-attention KV exchange hidden under attention compute
-    pp_overlap: float = 0.4873             # fraction of pipeline p2p hidden under compute
-    ep_overlap: float = 0.5460             # fraction of MoE all-to-all hidden under compute
-    moe_imbalance: float = 1.0358         # busiest expert rank load / mean (force-balanced routing ~1.0)
-    step_overhead_s: float = 0.0163       # per optimizer step fixed host work (logging, grad-norm, scheduler)
-    microbatch_overhead_s: float = 0.0040 # per micro-batch host work (data, schedule bookkeeping)
-    collective_latency_s: float = 1.268e-05  # fixed launch + synchronization cost of one NCCL collective
-    zero3_bw_eff: float = 0.1626           # ZeRO-3/FSDP per-layer gathers: fraction of the bus bandwidth reached
+    pp_overlap: float = 0.4165             # fraction of pipeline p2p hidden under compute
+    ep_overlap: float = 0.7284             # --overlap-moe-expert-parallel-comm: share of a merged fwd+bwd pair's compute the all-to-alls hide under
+    moe_imbalance: float = 1.0671         # busiest expert rank load / mean (force-balanced routing ~1.0)
+    step_overhead_s: float = 0.0156       # per optimizer step fixed host work (logging, grad-norm, scheduler)
+    microbatch_overhead_s: float = 0.0044 # per micro-batch host work (data, schedule bookkeeping)
+    collective_latency_s: float = 1.129e-05  # fixed launch + synchronization cost of one NCCL collective
+    zero3_bw_eff: float = 0.1446           # ZeRO-3/FSDP per-layer gathers: fraction of the bus bandwidth reached
     # --- memory ---
     mem_fragmentation: float = 1.01     # allocator overhead on dynamic memory (expandable_segments, as NeMo recipes set)
 
@@ -88,14 +88,16 @@ def load_params_file(path: str) -> tuple[EfficiencyParams, dict]:
 #: of link rate),
 #: FlashAttention-2 (~55% of peak forward, backward 2.5x), K22's activation byte counts, ZeRO's
 #: Adam traffic, PyTorch eager dispatch (~5-25 us of host work per op: Python, autograd recording,
-#: the ATen dispatcher, cudaLaunchKernel; 25 us per kernel counts the module calls between them).
+#: the ATen dispatcher, cudaLaunchKernel; 25 us per kernel counts the module calls between them),
+#: the EP batch-level overlap hiding all-to-alls under ~0.8 of the other micro-batch's compute (the
+#: communication kernels hold ~20-24 of 132 SMs: DeepEP README).
 #: Calibration starts here; cross-validation measures fits against it.
 LITERATURE_PRIOR = EfficiencyParams(
     gemm_eff_max=0.95, gemm_eff_max_fp8=0.90, gemm_dim_half=48.0, attn_eff_max=0.55, attn_seq_half=256.0,
     attn_bwd_ratio=2.5, softmax_bytes_per_score=13.0, hbm_eff=0.75, elementwise_bytes_h=24.0,
     elementwise_bytes_f=6.0, lp_cast_bytes=6.0, kernel_overhead_s=5e-6, host_op_s=2.5e-5,
     intra_bw_eff=0.75, inter_bw_eff=0.80, tp_comm_overlap=0.6, dp_overlap=0.8, cp_overlap=0.9,
-    pp_overlap=0.5, ep_overlap=0.0, moe_imbalance=1.05, step_overhead_s=0.02, microbatch_overhead_s=2e-3,
+    pp_overlap=0.5, ep_overlap=0.8, moe_imbalance=1.05, step_overhead_s=0.02, microbatch_overhead_s=2e-3,
     collective_latency_s=1.5e-5, zero3_bw_eff=0.5,
     mem_fragmentation=1.03,
 )

@@ -496,6 +496,10 @@ class FrameworkSpec:
     # graphs; with a per-layer impl, no modules = the whole layer
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.NONE
     cuda_graph_modules: tuple = ()
+    # --overlap-moe-expert-parallel-comm (model_parallel_config.py, MCore 0.14 "batch-level overlapping"):
+    # the forward of one micro-batch and the backward of another are merged layer by layer, so each one's
+    # EP all-to-alls run under the other's compute. Off by default
+    overlap_moe_expert_parallel_comm: bool = False
 
     def __post_init__(self):
         cf = self.moe_expert_capacity_factor
@@ -503,9 +507,16 @@ class FrameworkSpec:
             raise SpecError("moe_expert_capacity_factor", f"must be a number >= 0 (0 = dropless), got {cf!r}")
         self._check_cuda_graphs()
         for f in ("tp_comm_overlap", "grad_reduce_in_fp32", "fp8_param_gather", "overlap_grad_reduce",
-                  "overlap_param_gather", "microbatch_grad_buffer"):
+                  "overlap_param_gather", "microbatch_grad_buffer", "overlap_moe_expert_parallel_comm"):
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
+        if self.overlap_moe_expert_parallel_comm:
+            if self.framework is not Framework.MEGATRON:
+                raise SpecError("overlap_moe_expert_parallel_comm", f"is a Megatron-Core option; {self.framework.value} "
+                                "has no batch-level EP overlap here")
+            if self.moe_token_dispatcher_type is DispatcherType.ALLGATHER:
+                raise SpecError("overlap_moe_expert_parallel_comm", "is supported with the alltoall or flex token "
+                                "dispatcher only (Megatron-Core rule), not allgather")
 
     def _check_cuda_graphs(self) -> None:
         """Megatron's own refusals (transformer_config.py __post_init__, arguments.py validate_args),
@@ -573,6 +584,9 @@ class JobSpec:
         _positive("seq_len", self.seq_len)
         if self.framework.fp8_param_gather and self.precision not in (Precision.FP8, Precision.FP4):
             raise SpecError("fp8_param_gather", f"needs fp8 (or fp4) training, got precision={self.precision.value}")
+        if self.framework.overlap_moe_expert_parallel_comm and self.precision is Precision.FP32:
+            raise SpecError("overlap_moe_expert_parallel_comm", "is supported with a bf16 or fp16 model only "
+                            "(Megatron-Core rule), got precision=fp32")
 
     @property
     def flash_attention(self) -> bool:

@@ -326,6 +326,19 @@ RULES: tuple[Rule, ...] = (
     Rule("cuda_graph_dropout_recompute", _dropout_graph_ok,
          lambda a, p: f"hidden_dropout={p.model.hidden_dropout} with a graphed MLP/MoE that selective recompute "
                       "replays: not supported by Megatron-Core; drop mlp/moe from recompute_modules"),
+    # batch-level EP overlap (transformer_config.py __post_init__: overlap_moe_expert_parallel_comm)
+    Rule("ep_overlap_needs_ep", lambda a, p: (not p.job.framework.overlap_moe_expert_parallel_comm) | (a["ep"] > 1),
+         lambda a, p: f"--overlap-moe-expert-parallel-comm with ep={_v(a,'ep')}: it overlaps expert-parallel "
+                      "all-to-alls and needs ep > 1 (Megatron-Core rule)"),
+    Rule("ep_overlap_pp_needs_vpp", lambda a, p: (not p.job.framework.overlap_moe_expert_parallel_comm)
+         | (a["pp"] == 1) | (a["vpp"] > 1),
+         lambda a, p: f"--overlap-moe-expert-parallel-comm with pp={_v(a,'pp')} > 1 needs virtual pipeline stages "
+                      "(vpp > 1; Megatron-Core rule)"),
+    Rule("ep_overlap_recompute", lambda a, p: (not p.job.framework.overlap_moe_expert_parallel_comm)
+         | ((a["recompute"] != int(Recompute.FULL)) & ~_recomputes(a, "moe")),
+         lambda a, p: f"--overlap-moe-expert-parallel-comm with recompute={Recompute(_v(a,'recompute')).name.lower()} "
+                      f"(full, or selective with moe among {_v(a,'recompute_modules')} recompute_modules bits): not "
+                      "supported by Megatron-Core; use recompute=none or selective without moe"),
 )
 
 

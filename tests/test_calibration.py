@@ -45,8 +45,10 @@ def test_far_moves_are_flagged_with_a_warning():
     assert r["gemm_dim_half"]["warning"].startswith("gemm_dim_half = 100: 2.1x its literature prior 48")
     assert "structural error" in r["gemm_dim_half"]["warning"]
     # a parameter whose prior sits at a bound is not flagged for staying near it
-    # (ep_overlap: prior 0.0 = lower bound)
-    assert _by_name(parameter_report(LITERATURE_PRIOR._replace(ep_overlap=0.02)))["ep_overlap"]["flags"] == []
+    # (a prior of 0.0 = ep_overlap's lower bound)
+    at_bound = LITERATURE_PRIOR._replace(ep_overlap=0.0)
+    r = _by_name(parameter_report(at_bound._replace(ep_overlap=0.02), prior=at_bound))
+    assert r["ep_overlap"]["flags"] == []
 
 
 def test_calibrate_cli_reports_parameters_and_warnings(tmp_path):

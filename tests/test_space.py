@@ -45,6 +45,8 @@ def _problem(model=DENSE, job=JOB, cluster=CLUSTER16) -> Problem:
 
 
 # (rule, why, problem, plan that breaks the rule, the same plan fixed[, rules it must also break])
+_EP_OVERLAP = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(overlap_moe_expert_parallel_comm=True))
+
 _CASES = [
     ("gpus", "tp*pp*dp != gpus", _problem(),
      Plan(tp=2, pp=2, dp=2), Plan(tp=2, pp=2, dp=4)),
@@ -129,6 +131,15 @@ _CASES = [
          cuda_graph_impl=CudaGraphImpl.TRANSFORMER_ENGINE, cuda_graph_modules=(CudaGraphModule.MLP,)))),
      Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("mlp",)),
      Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
+    ("ep_overlap_needs_ep", "batch-level EP overlap without expert parallelism", _problem(MOE, job=_EP_OVERLAP),
+     Plan(dp=16, ep=1), Plan(dp=16, ep=8)),
+    ("ep_overlap_pp_needs_vpp", "batch-level EP overlap with a pipeline and no interleaving",
+     _problem(MOE, job=_EP_OVERLAP), Plan(pp=2, dp=8, ep=8, vpp=1), Plan(pp=2, dp=8, ep=8, vpp=2)),
+    ("ep_overlap_recompute", "batch-level EP overlap with full recompute", _problem(MOE, job=_EP_OVERLAP),
+     Plan(dp=16, ep=8, recompute=Recompute.FULL), Plan(dp=16, ep=8, recompute=Recompute.NONE)),
+    ("ep_overlap_recompute", "batch-level EP overlap with the moe module recomputed", _problem(MOE, job=_EP_OVERLAP),
+     Plan(dp=16, ep=8, recompute=Recompute.SELECTIVE, recompute_modules=("moe",)),
+     Plan(dp=16, ep=8, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
     ("recompute_layers_chunk", "block recompute of a whole chunk", _problem(),
      Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=4),
      Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=3)),

@@ -1,0 +1,151 @@
+"""How MoE tokens travel, as Megatron-Core runs them (issue 11: "the dispatcher ... shared-expert overlap"):
+
+* `--moe-token-dispatcher-type flex` (DeepEP / HybridEP) sends a token to another NVLink domain once,
+  however many of its top-k experts live there [DeepEP README, normal kernels]; the plain `alltoall` sends
+  one copy per expert. Golden shares are the combinatorics of uniform (force-balanced) routing.
+* `--overlap-moe-expert-parallel-comm` (MCore 0.14 "batch-level overlapping") merges the forward of one
+  micro-batch with the backward of another so each one's all-to-alls run under the other's compute;
+  Megatron-Core refuses it without EP, with a pipeline but no interleaving, with full or moe recompute,
+  with the allgather dispatcher and in fp32 (transformer_config.py __post_init__).
+Both default off: tests/test_frozen.py holds the default predictions.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from typer.testing import CliRunner
+
+from autotune import api
+from autotune.export import ExportRefused, bridge_overrides, export, megatron_args
+from autotune.report import problem_dict
+from autotune.saved import problem_from_report
+from cli.main import app
+from costmodels import collectives as C
+from costmodels.specs import FrameworkSpec, SpecError
+
+#: Qwen3-235B-A22B (128 experts, top-8) on 32 H100 nodes: EP 32 spans 4 NVLink domains of 8
+JOB = dict(model="qwen3-235b-a22b", gpu="h100", gpus=256, global_batch=2048, seq_len=4096)
+PLAN = "tp=2,pp=8,vpp=4,ep=32,sp=true,mbs=1,zero=1,account_for_embedding=true,account_for_loss=true"
+HW = {"domain": jnp.float32(8.0)}
+
+
+@pytest.mark.parametrize("k, n, expected", [
+    # D = n / 8 domains; a token reaches (D-1)(1-(1-1/D)^k) other domains, against k(D-1)/D copies
+    (8, 32, 4 * (1 - 0.75 ** 8) / 8),          # Qwen3 top-8 over 4 nodes: 0.450
+    (8, 16, 2 * (1 - 0.5 ** 8) / 8),           # over 2 nodes: 0.249
+    (8, 64, 1 - (7 / 8) ** 8),                 # DeepSeek-V3 top-8 over 8 nodes: 0.656
+    (1, 64, 1.0),                              # top-1: nothing to deduplicate
+    (8, 8, 1.0),                               # one node: nothing leaves it
+])
+def test_node_dedup_share(k, n, expected):
+    got = float(C.node_dedup_share(jnp.float32(k), jnp.float32(n), jnp.float32(1.0), HW))
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
+@given(k=st.integers(1, 16), domains=st.integers(2, 64))
+@settings(max_examples=60, deadline=None)
+def test_dedup_never_sends_more_and_more_experts_dedup_more(k, domains):
+    share = float(C.node_dedup_share(jnp.float32(k), jnp.float32(8 * domains), jnp.float32(1.0), HW))
+    more_k = float(C.node_dedup_share(jnp.float32(k + 1), jnp.float32(8 * domains), jnp.float32(1.0), HW))
+    assert 0.0 < share <= 1.0 + 1e-6
+    assert more_k <= share + 1e-6
+
+
+def _predict(fw: dict, plan: str = PLAN, **job):
+    problem = api.build_problem(**{**JOB, **job}, framework=fw)
+    return api.predict_plan(problem, api.plan_from_text(plan, problem))
+
+
+def test_flex_sends_less_between_nodes_only():
+    plain, flex = _predict({}), _predict({"moe_token_dispatcher_type": "flex"})
+    ep_plain, ep_flex = plain["time_breakdown_s"]["ep_comm"], flex["time_breakdown_s"]["ep_comm"]
+    assert ep_flex < 0.7 * ep_plain                     # 4 nodes, top-8: inter-node bytes x 0.45
+    assert flex["step_time_s"] < plain["step_time_s"]
+    # inside one node the dispatchers move the same bytes
+    one_node = dict(plan="tp=1,pp=1,ep=8,mbs=1,zero=1", gpus=8, model="qwen3-30b-a3b", global_batch=64)
+    a, b = _predict({}, **one_node), _predict({"moe_token_dispatcher_type": "flex"}, **one_node)
+    assert b["time_breakdown_s"]["ep_comm"] == pytest.approx(a["time_breakdown_s"]["ep_comm"], rel=1e-6)
+
+
+def test_batch_level_overlap_hides_all_to_alls():
+    off, on = _predict({}), _predict({"overlap_moe_expert_parallel_comm": True})
+    assert on["time_breakdown_s"]["ep_comm"] < 0.8 * off["time_breakdown_s"]["ep_comm"]
+    assert on["step_time_s"] < off["step_time_s"]
+    # nothing unrelated moves (compute may: the slowest pipeline stage can change)
+    for k in ("tp_comm", "optimizer", "overhead"):
+        assert on["time_breakdown_s"][k] == pytest.approx(off["time_breakdown_s"][k], rel=1e-6)
+
+
+def test_overlap_cannot_hide_more_than_the_other_micro_batch_computes():
+    """With the all-to-alls far longer than compute (a slow network), the merged pairs hide at most
+    `ep_overlap` of their compute: the exposed time falls by no more than the compute time."""
+    slow = dict(inter_node_bw=1.0)                       # GB/s per GPU
+    off, on = _predict({}, **slow), _predict({"overlap_moe_expert_parallel_comm": True}, **slow)
+    saved = off["time_breakdown_s"]["ep_comm"] - on["time_breakdown_s"]["ep_comm"]
+    assert 0.0 < saved <= off["time_breakdown_s"]["compute"] + 1e-6
+
+
+@pytest.mark.parametrize("fw, plan, field", [
+    ({"overlap_moe_expert_parallel_comm": True}, PLAN.replace("ep=32", "ep=1"), "ep_overlap_needs_ep"),
+    ({"overlap_moe_expert_parallel_comm": True}, "tp=2,pp=8,vpp=1,ep=32,sp=true,mbs=1,zero=1,first_layers=10,last_layers=12", "ep_overlap_pp_needs_vpp"),
+    ({"overlap_moe_expert_parallel_comm": True}, PLAN + ",recompute=full",
+     "ep_overlap_recompute"),
+])
+def test_megatron_refusals_are_plan_rules(fw, plan, field):
+    problem = api.build_problem(**JOB, framework=fw)
+    with pytest.raises(SpecError) as info:
+        api.plan_from_text(plan, problem)
+    assert field in info.value.field
+
+
+@pytest.mark.parametrize("fw, job, field", [
+    ({"overlap_moe_expert_parallel_comm": True, "moe_token_dispatcher_type": "allgather"}, {},
+     "overlap_moe_expert_parallel_comm"),
+    ({"overlap_moe_expert_parallel_comm": True}, {"precision": "fp32"}, "overlap_moe_expert_parallel_comm"),
+    ({"overlap_moe_expert_parallel_comm": True, "framework": "deepspeed"}, {}, "overlap_moe_expert_parallel_comm"),
+])
+def test_megatron_refusals_of_the_job(fw, job, field):
+    with pytest.raises(SpecError) as info:
+        api.build_problem(**{**JOB, **job}, framework=fw)
+    assert info.value.field == field
+
+
+def test_search_obeys_the_rules():
+    problem = api.build_problem(model="qwen3-30b-a3b", gpu="h100", gpus=16, global_batch=256, seq_len=4096,
+                                framework={"overlap_moe_expert_parallel_comm": True})
+    res = api.search(problem, top_k=20)
+    plans = [r["plan"] for r in res.top]
+    assert plans
+    for p in plans:
+        assert p["ep"] > 1 and p["recompute"] != "full"
+        assert p["pp"] == 1 or p["vpp"] > 1
+
+
+def test_exports_and_saved_reports_carry_it():
+    problem = api.build_problem(**JOB, framework={"overlap_moe_expert_parallel_comm": True,
+                                                  "moe_token_dispatcher_type": "flex"})
+    plan = api.plan_from_text(PLAN, problem)
+    args = megatron_args(plan, problem)
+    assert "--overlap-moe-expert-parallel-comm" in args
+    assert args[args.index("--moe-token-dispatcher-type") + 1] == "flex"
+    assert "comm_overlap.overlap_moe_expert_parallel_comm=true" in bridge_overrides(plan, problem)
+    with pytest.raises(ExportRefused):
+        export("torchtitan", plan, problem)
+    again = problem_from_report({"problem": problem_dict(problem)})
+    assert again.job.framework.overlap_moe_expert_parallel_comm is True
+
+
+def test_cli_option():
+    r = CliRunner().invoke(app, ["predict", "--model", "qwen3-235b-a22b", "--gpu", "h100", "--gpus", "256",
+                                 "--global-batch", "2048", "--seq-len", "4096", "--plan", PLAN, "--overlap-moe-expert-parallel-comm",
+                                 "--moe-token-dispatcher-type", "flex", "--json"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["predict", "--model", "qwen3-235b-a22b", "--gpu", "h100", "--gpus", "256",
+                                 "--global-batch", "2048", "--seq-len", "4096", "--plan", PLAN.replace("vpp=4", "vpp=1"),
+                                 "--overlap-moe-expert-parallel-comm"])
+    assert r.exit_code == 2
+    assert "vpp" in r.output and "Traceback" not in r.output
