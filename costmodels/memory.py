@@ -11,6 +11,10 @@ Sources
   [K22] Korthikanti et al. 2022, table 2: activation bytes per layer sbh(34 + 5as/h) split into
         replicated and TP-sharded parts; with SP the replicated part is sharded too; full
         recompute keeps 2sbh per layer.
+  [AG]  PyTorch autograd (torch/csrc/autograd/engine.cpp, Node::release_variables) frees a node's
+        saved tensors once its backward has run, and a gradient once its consumers have run: what a
+        layer's backward holds at a given moment (Megatron's full recompute re-runs the layer's forward
+        under autograd, then its backward).
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ class ActivationBytes(NamedTuple):
     selective: object        # what the plan's --recompute-modules leave stored
     full: object             # only the layer input kept
     working: object          # one layer re-materialized during backward with full recompute
+    backward: object         # that layer's gradients live beside it at the peak of its backward [AG]
 
 
 #: bytes of a dropout mask element (Megatron keeps a uint8/bool mask per dropped element)
@@ -96,7 +101,9 @@ def activation_bytes(S: Shapes, M: dict, J: dict, e: EfficiencyParams) -> Activa
     # and with dropout its mask (as) and output (2as): 5as with dropout, 2as without (Llama-style
     # recipes; Megatron's --attention-dropout is taken to follow the model's dropout)
     drop_on = (M["hidden_dropout"] > 0).astype(jnp.float32)
-    scores = (1.0 - J["flash"]) * J["seq_len"] * M["heads"] * (ACT_BYTES + drop_on * (DROPOUT_MASK_BYTES + ACT_BYTES))
+    probs = (1.0 - J["flash"]) * J["seq_len"] * M["heads"] * ACT_BYTES
+    attn_dropout = probs * drop_on * (DROPOUT_MASK_BYTES + ACT_BYTES) / ACT_BYTES
+    scores = probs + attn_dropout
     fc1_out, act_out = f * (1.0 + g) * ACT_BYTES, f * q
     k_imb = M["top_k"] * moe_load(J, e)
     routed_in = k_imb * S.etp * h * q                              # permuted tokens: fc1 input
@@ -115,7 +122,23 @@ def activation_bytes(S: Shapes, M: dict, J: dict, e: EfficiencyParams) -> Activa
     moe_kept = (1.0 - r.moe) * (moe - r.moe_act * k_imb * fe * q - r.shared_experts * shared)
     selective = T * per_token(1.0 - r.layernorm, 1.0 - r.core_attn, qkv_kept, 1.0 - r.mlp, moe_kept)
     full = T * h * ACT_BYTES / rd
-    return ActivationBytes(none, selective, full, S.rec_full * none)
+    # the re-materialized layer's backward: its gradients beside it (fc1's output gradient, the unfused
+    # softmax's input gradient) and what the backward has freed by the softmax (the MLP's saved tensors,
+    # its norm's, the hidden and attention dropouts')
+    d_fc1 = ((1.0 - fm) * f + fm * (k_imb * fe + sf)) * (1.0 + g) * ACT_BYTES
+    freed = (0.5 * (norm_in + norm_out) + dropout) / rd + ((1.0 - fm) * (fc1_out + act_out) + fm * moe + attn_dropout) / tp
+    backward = backward_peak_bytes_per_token(h * ACT_BYTES / rd, d_fc1 / tp, probs / tp, freed)
+    return ActivationBytes(none, selective, full, S.rec_full * none, S.rec_full * T * backward)
+
+
+def backward_peak_bytes_per_token(d_resid, d_fc1, d_probs, freed_by_softmax):
+    """Gradient bytes per token live beside a re-materialized layer at the peak of its backward (autograd
+    frees a node's saved tensors once its backward has run), the larger of two moments: the MLP
+    activation's backward holds the residual stream's gradient d_resid and fc1's output gradient d_fc1
+    (fc2's input is freed as its own gradient, the same size, is made); an unfused softmax's backward
+    holds d_resid and the probabilities' gradient d_probs beside the saved softmax output, the tensors
+    `freed_by_softmax` gone (the attention output is freed as its gradient is made)."""
+    return jnp.maximum(d_resid + d_fc1, d_resid + d_probs - freed_by_softmax)
 
 
 #: bytes per logit of the fp32 copy the cross-entropy computes in (Megatron's vocab-parallel cross
@@ -163,7 +186,11 @@ def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataPa
     in_flight = in_flight_micro_batches(S, rank, J["gpipe"])
     # the last rank keeps the logits of each micro-batch in flight: one with 1F1B, all m with GPipe
     logits_in_flight = jnp.where((J["gpipe"] > 0) & (S.pp > 1), in_flight, 1.0)
-    activations = act_stage * in_flight + acts.working + holds_logits * logits_in_flight * logits_bytes(S, M, J)
+    # one micro-batch's logits are freed after the output layer's backward, before the backward reaches
+    # the layers, so they are never live with a re-materialized layer and its gradients
+    logits = holds_logits * logits_bytes(S, M, J)
+    activations = act_stage * in_flight + (logits_in_flight - 1.0) * logits \
+        + jnp.maximum(logits, acts.working + acts.backward)
     dynamic = weights + gradients + optimizer + activations + tp_buffer_bytes(S, M, J)
     total = dynamic * e.mem_fragmentation + FIXED_BYTES
     return Memory(weights, gradients, optimizer, activations, total - weights - gradients - optimizer - activations,
