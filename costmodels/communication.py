@@ -149,8 +149,9 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
         + moe_on * C.all_gather_s(PARAM_GATHER_BYTES * pe, groups.expert, S.ep * S.etp, H, link, lat)
     fm = S.frac_moe
     # last micro-batch backward, first micro-batch forward; the GPU's idle time in a host-bound
-    # micro-batch (idle_s) lengthens whichever pass it falls in: counted in both (an upper bound, and
-    # the form under which a faster GPU never exposes more traffic than it saves)
+    # micro-batch and its waits on exposed TP / CP / EP collectives (idle_s) lengthen whichever pass
+    # they fall in: counted in both (an upper bound, and the form under which a faster GPU never
+    # exposes more traffic than it saves: hypothesis found the case where it did)
     win_b = layers * ((1.0 - fm) * lt.bwd_dense + fm * lt.bwd_moe) + idle_s
     win_f = layers * ((1.0 - fm) * lt.fwd_dense + fm * lt.fwd_moe) + idle_s
 

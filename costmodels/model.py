@@ -108,10 +108,12 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     p_expert = biggest.pick(*(p.expert for p in params))
     groups = comm.dp_groups(S)
     layers_s = slowest.pick(t_first - first["ends"], t_mid, t_last - last["ends"])
-    # the GPU's idle time in a host-bound micro-batch is time the gradient / parameter traffic can use
+    # the GPU's idle time in a host-bound micro-batch, and the time its passes wait on their own exposed
+    # TP / CP / EP collectives, are wall time the bucketed gradient / parameter traffic can run under too
     idle = t_max - slowest.pick(_gpu(first), _gpu(mid), _gpu(last))
+    waits = slowest.pick(*(x["tp"] + x["cp"] + x["ep"] for x in (first, mid, last)))
     dp_comm = comm.data_parallel_s(S, groups, p_dense, p_expert, biggest.pick(st.first, st.mid, st.last), lt,
-                                   layers_s, H, J["grad_bytes"], e, idle_s=idle)
+                                   layers_s, H, J["grad_bytes"], e, idle_s=idle + waits)
     # the optimizer step is memory bound: bytes moved per local parameter (sharded with ZeRO >= 1)
     p_opt = memory.sharded(memory.StageParams(p_dense, p_expert), groups, S.zero >= 1)
     t_opt = p_opt * memory.OPTIMIZER_STEP_BYTES / (H["hbm_bw"] * e.hbm_eff)

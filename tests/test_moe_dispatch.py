@@ -149,3 +149,23 @@ def test_cli_option():
                                  "--overlap-moe-expert-parallel-comm"])
     assert r.exit_code == 2
     assert "vpp" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("row_id, dispatcher, overlap", [
+    # Megatron-Bridge v0.4.0 qwen3_workload_base_configs.py: H100 Qwen3-235B moe_a2a_overlap=True, alltoall
+    ("mbridge-arch-26.04-Qwen3_235B_a22B-DGX-H100-256g-FP8-133", "alltoall", True),
+    # v0.4.0: Qwen3-30B on 16 H100 with moe_flex_dispatcher_backend="hybridep", no a2a overlap
+    ("mbridge-arch-26.04-Qwen3_30B_a3B-DGX-H100-16g-FP8-129", "flex", False),
+    # v0.6.0 perf_recipes: DeepSeek-V3 on GB300, hybridep + batch-level overlap
+    ("mbridge-cur-26.08-DeepSeekV3-DGX-GB300-256g-MXFP8-1", "flex", True),
+    # 25.11 GPT-OSS on H100 matches no recipe's parallelism: Megatron's defaults
+    ("mbridge-arch-25.11-GPT_OSS_120B-DGX-H100-64g-BF16-245", "alltoall", False),
+    ("nemo-24.07-LLAMA3-70B-64g-pre", "alltoall", False),             # dense, not a Bridge MoE row
+])
+def test_validation_runs_each_bridge_row_with_its_recipe(row_id, dispatcher, overlap):
+    from autotune.datasets import load_dataset
+    from autotune.validate import case_from_row
+    row = next(r for r in load_dataset("public") if r.get("id") == row_id)
+    fw = case_from_row(row).problem.job.framework
+    assert fw.moe_token_dispatcher_type.value == dispatcher
+    assert fw.overlap_moe_expert_parallel_comm is overlap
