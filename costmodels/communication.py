@@ -82,6 +82,11 @@ def layer_comm(S: Shapes, w: LayerWork, M: dict, H: dict, J: dict, e: Efficiency
     a2a_bytes = S.routed_tokens * h * J["act_bytes"]
     remote = jnp.where(J["flex_dispatch"] > 0, C.node_dedup_share(M["top_k"], S.ep, S.etp, H), 1.0)
     t_a2a = 2.0 * C.all_to_all_s(a2a_bytes, S.ep, S.etp, H, link, lat, remote_share=remote) * S.is_moe
+    # the allgather dispatcher (Megatron-Core's default type) gathers every EP rank's tokens, whatever
+    # their experts, and reduce-scatters the outputs back [MoEAllGatherTokenDispatcher]
+    gathered_bytes = S.ep * S.tokens / S.tp * h * J["act_bytes"]
+    t_ag = 2.0 * C.all_gather_s(gathered_bytes, S.ep, S.etp, H, link, lat) * S.is_moe
+    t_a2a = jnp.where(J["allgather_dispatch"] > 0, t_ag, t_a2a)
     ep_fwd = jnp.where(J["ep_a2a_overlap"] > 0, merged_ep_exposed_s(S, t_a2a, compute.layer_times(w, e), e), t_a2a)
     return LayerComm(tp_pair, tp_dense, tp_moe, cp_fwd, cp_bwd, ep_fwd)
 
