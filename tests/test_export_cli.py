@@ -11,7 +11,7 @@ import pytest
 from autotune import api
 from autotune.launch import megatron_launch
 from autotune.measurements import megatron_log_job, memory_warning, parse_megatron_log, peak_memory_gb
-from tests.test_cli import SMALL, assert_one_line_error, run
+from tests.test_cli import REPO, SMALL, assert_one_line_error, run
 
 PLAN = "tp=2,pp=2,mbs=1,recompute=selective,sp=true,zero=1"
 
@@ -88,14 +88,16 @@ def test_check_passes_fails_with_numbers_and_compares_to_a_baseline(tmp_path):
 
 def test_check_a_saved_report_on_its_own_problem_and_on_another():
     report = "results/reference/dense_llama3-70b_h100x512.json"
+    best = json.loads((REPO / report).read_text())["best"]["plan"]
+    mesh = f"tp={best['tp']},pp={best['pp']},dp={{}},cp={best['cp']},"
     r = run("check", report, "--json")
     own = json.loads(r.stdout)
-    assert own["plan"].startswith("tp=4,pp=4,dp=32,cp=1,") and own["conditions"][0]["name"] == "memory"
+    assert own["plan"].startswith(mesh.format(best["dp"])) and own["conditions"][0]["name"] == "memory"
     assert r.exit_code == (0 if own["ok"] else 1)       # today's cost model decides, not the saved numbers
     other = run("check", report, "--model", "llama3-70b", "--gpu", "h100", "--gpus", "1024", "--global-batch", "1024",
                 "--seq-len", "8192", "--json")
     assert other.exit_code in (0, 1), other.stderr
-    assert json.loads(other.stdout)["plan"].startswith("tp=4,pp=4,dp=64,cp=1,")     # dp from --gpus
+    assert json.loads(other.stdout)["plan"].startswith(mesh.format(2 * best["dp"]))     # dp from --gpus
 
 
 def test_check_bad_input_exits_2():
