@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from costmodels.params import EfficiencyParams
-from costmodels.plan import balanced_layout
+from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, modules_mask
 from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
 from costmodels.specs import (AttentionBackend, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec, ModelSpec, Precision,
                               Recompute, SpecError, parse_cuda_graph_modules)
-from search_spaces.space import Problem, binding_rules
+from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
 from .datasets import gpu_generation, recipe_settings
 from .files import read_json
@@ -197,6 +197,26 @@ def moe_recipe_options(row: dict) -> dict:
     return out
 
 
+def recipe_recompute_knobs(row: dict, model: ModelSpec) -> dict:
+    """The recomputation the recipe behind a Megatron-Bridge MoE run set (recipe_settings.json):
+    no granularity = none; selective with its --recompute-modules (an explicit empty list recomputes
+    nothing); full. Empty where no recipe matched or a module does not apply to the model."""
+    rec = recipe_settings().get(row.get("id", ""))
+    if not rec or rec.get("unknown") or "recompute_granularity" not in rec:
+        return {}
+    gran, mods = rec.get("recompute_granularity"), rec.get("recompute_modules") or []
+    if gran == "full":
+        return {"recompute": int(Recompute.FULL)}
+    if gran != "selective" or not mods:
+        return {"recompute": int(Recompute.NONE), "recompute_modules": 0}
+    if any(m not in RECOMPUTE_MODULES for m in mods):
+        return {}
+    mask = modules_mask(mods)
+    if mask & ~applicable_modules_mask(model):
+        return {}
+    return {"recompute": int(Recompute.SELECTIVE), "recompute_modules": mask}
+
+
 _LORA = re.compile(r"\blora\b", re.IGNORECASE)
 
 
@@ -251,8 +271,11 @@ def case_from_row(row: dict) -> RowCase:
     if plan.get("tp") is None or plan.get("pp") is None:
         raise SpecError("plan.tp", "tp and pp must be given")
     meas = row.get("measured") or {}
+    recipe_recompute = recipe_recompute_knobs(row, model)
     if plan.get("recompute_key"):
         fixed["recompute"] = int(Recompute.parse(plan["recompute_key"], "plan.recompute_key"))
+    elif recipe_recompute:
+        fixed.update(recipe_recompute)
     elif meas.get("hfu") is not None and meas.get("mfu") is None:
         # the source counted the recomputation forward pass in its FLOP rate (stored as hfu, see
         # the validation README), so the run recomputed activations

@@ -181,3 +181,24 @@ def test_validation_runs_each_bridge_row_with_its_recipe(row_id, dispatcher, ove
     fw = case_from_row(row).problem.job.framework
     assert fw.moe_token_dispatcher_type.value == dispatcher
     assert fw.overlap_moe_expert_parallel_comm is overlap
+
+
+@pytest.mark.parametrize("row_id, recompute, modules", [
+    # v0.4.0 gpt_oss_workload_base_configs.py: recompute_modules=["layernorm", "moe_act"]
+    ("mbridge-arch-26.04-GPT_OSS_120B-DGX-H100-64g-BF16-124", "selective", ("layernorm", "moe_act")),
+    # v0.4.0 set_qwen3_common_configs: recompute_granularity=None
+    ("mbridge-arch-26.04-Qwen3_235B_a22B-DGX-H100-256g-FP8-133", "none", ()),
+    # v0.6.0 perf_recipes: selective with an explicit empty module list recomputes nothing
+    ("mbridge-cur-26.08-DeepSeekV3-DGX-GB300-256g-MXFP8-1", "none", ()),
+    ("mbridge-arch-26.04-DeepSeekV3-DGX-B200-256g-MXFP8-119", "selective", ("mla_up_proj",)),
+])
+def test_validation_recomputes_as_the_recipe_did(row_id, recompute, modules):
+    from autotune.datasets import load_dataset
+    from autotune.validate import case_from_row
+    from costmodels.plan import modules_of_mask
+    from costmodels.specs import Recompute
+    row = next(r for r in load_dataset("public") if r.get("id") == row_id)
+    case = case_from_row(row)
+    assert Recompute(case.fixed["recompute"]).name.lower() == recompute
+    assert modules_of_mask(case.fixed.get("recompute_modules", 0)) == modules
+    assert "recompute" not in case.filled
