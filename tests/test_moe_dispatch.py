@@ -145,6 +145,9 @@ def test_exports_and_saved_reports_carry_it():
     assert "--overlap-moe-expert-parallel-comm" in args
     assert args[args.index("--moe-token-dispatcher-type") + 1] == "flex"
     assert "comm_overlap.overlap_moe_expert_parallel_comm=true" in bridge_overrides(plan, problem)
+    from tests.test_export import _check_names      # every emitted name is one Megatron-LM / Bridge documents
+    for target in ("megatron", "bridge"):
+        _check_names(target, export(target, plan, problem))
     with pytest.raises(ExportRefused):
         export("torchtitan", plan, problem)
     again = problem_from_report({"problem": problem_dict(problem)})
