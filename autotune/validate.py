@@ -189,12 +189,22 @@ def moe_recipe_options(row: dict) -> dict:
         return {}
     out = {"moe_token_dispatcher_type": DispatcherType.parse(rec["moe_token_dispatcher_type"]),
            "overlap_moe_expert_parallel_comm": bool(rec.get("overlap_moe_expert_parallel_comm"))}
+    extras = rec.get("extras") or {}
+    if extras.get("moe_token_drop"):
+        # Bridge's apply_moe_token_drop: --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity
+        out["moe_expert_capacity_factor"] = TOKEN_DROP_CAPACITY_FACTOR
     impl = rec.get("cuda_graph_impl")
+    if not impl and extras.get("enable_cuda_graph"):
+        impl = "local"              # transformer_config.py: deprecated enable_cuda_graph = cuda_graph_impl local
     if impl and impl != "none":
         scope = rec.get("cuda_graph_scope") or []
         out["cuda_graph_modules"], out["cuda_graph_impl"] = parse_cuda_graph_modules(
             [scope] if isinstance(scope, str) else scope, CudaGraphImpl.parse(impl))
     return out
+
+
+#: the capacity factor Megatron-Bridge's token-drop recipes set (training/utils/moe_token_drop.py)
+TOKEN_DROP_CAPACITY_FACTOR = 1.0
 
 
 def recipe_recompute_knobs(row: dict, model: ModelSpec) -> dict:

@@ -205,3 +205,15 @@ def test_validation_recomputes_as_the_recipe_did(row_id, recompute, modules):
     assert Recompute(case.fixed["recompute"]).name.lower() == recompute
     assert modules_of_mask(case.fixed.get("recompute_modules", 0)) == modules
     assert "recompute" not in case.filled
+
+
+def test_validation_runs_the_25_09_token_drop_recipe_as_it_ran():
+    """25.09's YAML recipes (Megatron-Bridge v0.1.0rc4): token drop = Bridge's apply_moe_token_drop
+    (capacity factor 1.0, padded), and the deprecated enable_cuda_graph = cuda_graph_impl local."""
+    from autotune.datasets import load_dataset
+    from autotune.validate import case_from_row
+    row = next(r for r in load_dataset("public")
+               if r.get("id") == "mbridge-arch-25.09-Qwen3_30B_a3B_tokendrop_-DGX-B200-8g-primary-266")
+    fw = case_from_row(row).problem.job.framework
+    assert fw.moe_expert_capacity_factor == 1.0
+    assert fw.cuda_graph_impl.value == "local" and fw.cuda_graph_modules == ()
