@@ -90,7 +90,7 @@ def test_ties_and_recommendation():
     assert tie_group([1.0, 1.0 + 0.9 * f, 1.0 + 1.1 * f, 1.0 + 2 * f]) == [True, True, False, False]
     room = headroom_for(80.0, 0.05)
     assert room.limit_gb == pytest.approx(76.0)
-    top = [_row(1.00, 75.9), _row(1.05, 60.0), _row(1.08, 70.0), _row(1.30, 20.0)]
+    top = [_row(1.00, 75.9), _row(1.0 + 0.6 * f, 60.0), _row(1.0 + 0.95 * f, 70.0), _row(1.0 + 4 * f, 20.0)]
     rep = annotate({"top": top, "best": top[0]}, room)
     assert [r["tie_with_best"] for r in top] == [True, True, True, False]
     # ties go to the plan with the most headroom (#2, 20 GB), never to the faster one with 4.1 GB
