@@ -17,8 +17,8 @@ import numpy as np
 from costmodels.params import EfficiencyParams
 from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, modules_mask
 from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
-from costmodels.specs import (AttentionBackend, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec, ModelSpec, Precision,
-                              Recompute, SpecError, parse_cuda_graph_modules)
+from costmodels.specs import (AttentionBackend, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec,
+                              ModelSpec, Precision, Recompute, SpecError, parse_cuda_graph_modules)
 from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
 from .datasets import gpu_generation, recipe_settings
@@ -180,12 +180,18 @@ def _split_layout(model: ModelSpec, fixed: dict) -> str | None:
         return None
 
 
-def moe_recipe_options(row: dict) -> dict:
-    """How the recipe behind a published Megatron-Bridge MoE run moved its tokens (the dispatcher and
-    the batch-level EP overlap, autotune/data/recipe_settings.json); nothing for other rows, or where
-    no recipe matched the published parallelism."""
+def _recipe(row: dict) -> dict:
+    """The settings of the recipe behind a published Megatron-Bridge MoE run (autotune/data/
+    recipe_settings.json); empty for other rows and where no recipe matched the published parallelism."""
     rec = recipe_settings().get(row.get("id", ""))
-    if not rec or rec.get("unknown") or rec.get("moe_token_dispatcher_type") is None:
+    return {} if not rec or rec.get("unknown") else rec
+
+
+def moe_recipe_options(row: dict) -> dict:
+    """The framework options the recipe ran a published Megatron-Bridge MoE run with: its dispatcher,
+    batch-level EP overlap, token drop and CUDA graphs."""
+    rec = _recipe(row)
+    if rec.get("moe_token_dispatcher_type") is None:
         return {}
     out = {"moe_token_dispatcher_type": DispatcherType.parse(rec["moe_token_dispatcher_type"]),
            "overlap_moe_expert_parallel_comm": bool(rec.get("overlap_moe_expert_parallel_comm"))}
@@ -211,8 +217,8 @@ def recipe_recompute_knobs(row: dict, model: ModelSpec) -> dict:
     """The recomputation the recipe behind a Megatron-Bridge MoE run set (recipe_settings.json):
     no granularity = none; selective with its --recompute-modules (an explicit empty list recomputes
     nothing); full. Empty where no recipe matched or a module does not apply to the model."""
-    rec = recipe_settings().get(row.get("id", ""))
-    if not rec or rec.get("unknown") or "recompute_granularity" not in rec:
+    rec = _recipe(row)
+    if "recompute_granularity" not in rec:
         return {}
     gran, mods = rec.get("recompute_granularity"), rec.get("recompute_modules") or []
     if gran == "full":

@@ -28,7 +28,6 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from . import collectives as C
-from . import compute
 from .compute import ACT_BYTES, LayerTimes, LayerWork, Shapes
 from .params import EfficiencyParams
 
@@ -50,7 +49,8 @@ class LayerComm(NamedTuple):
     ep_fwd: object           # dispatch + combine
 
 
-def layer_comm(S: Shapes, w: LayerWork, M: dict, H: dict, J: dict, e: EfficiencyParams) -> LayerComm:
+def layer_comm(S: Shapes, w: LayerWork, lt: LayerTimes, M: dict, H: dict, J: dict,
+               e: EfficiencyParams) -> LayerComm:
     link, lat, h = _links(e), e.collective_latency_s, M["hidden"]
     act_bytes = S.tokens * h * J["act_bytes"]
     # TP [N21 sec 2.3, K22 sec 4.2.2]: 2 all-reduces per layer forward, or with SP 2 all-gathers +
@@ -87,7 +87,7 @@ def layer_comm(S: Shapes, w: LayerWork, M: dict, H: dict, J: dict, e: Efficiency
     gathered_bytes = S.ep * S.tokens / S.tp * h * J["act_bytes"]
     t_ag = 2.0 * C.all_gather_s(gathered_bytes, S.ep, S.etp, H, link, lat) * S.is_moe
     t_a2a = jnp.where(J["allgather_dispatch"] > 0, t_ag, t_a2a)
-    ep_fwd = jnp.where(J["ep_a2a_overlap"] > 0, merged_ep_exposed_s(S, t_a2a, compute.layer_times(w, e), e), t_a2a)
+    ep_fwd = jnp.where(J["ep_a2a_overlap"] > 0, merged_ep_exposed_s(S, t_a2a, lt, e), t_a2a)
     return LayerComm(tp_pair, tp_dense, tp_moe, cp_fwd, cp_bwd, ep_fwd)
 
 

@@ -82,7 +82,7 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     # ---- one layer: compute, communication, recomputation ----
     w = compute.layer_work(S, M, H, J, e)
     lt = compute.layer_times(w, e)
-    lc = comm.layer_comm(S, w, M, H, J, e)
+    lc = comm.layer_comm(S, w, lt, M, H, J, e)
     head = compute.head_work(S, M, H, J, e)
 
     # ---- pipeline stages: first, middle, last (the first with its own share of MoE layers) ----
