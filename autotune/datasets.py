@@ -53,16 +53,28 @@ def dataset_path(name: str) -> str:
 
 #: the Megatron-Bridge MoE rows' recipe settings (autotune/data/README.md, "recipe_settings.json")
 RECIPE_SETTINGS = "recipe_settings.json"
+#: the launch scripts' settings of rows that leave them null (autotune/data/README.md, "launch_settings.json")
+LAUNCH_SETTINGS = "launch_settings.json"
+
+
+def _rows_of(name: str) -> dict:
+    path = data_dir() / name
+    if not path.is_file():
+        return {}
+    with open(path) as fh:
+        return json.load(fh).get("rows", {})
 
 
 @functools.lru_cache(maxsize=1)
 def recipe_settings() -> dict:
     """Row id -> the MoE communication settings of the recipe that produced that published run."""
-    path = data_dir() / RECIPE_SETTINGS
-    if not path.is_file():
-        return {}
-    with open(path) as fh:
-        return json.load(fh).get("rows", {})
+    return _rows_of(RECIPE_SETTINGS)
+
+
+@functools.lru_cache(maxsize=1)
+def launch_settings() -> dict:
+    """Row id -> the settings its published launch script (or its framework's defaults of the time) ran with."""
+    return _rows_of(LAUNCH_SETTINGS)
 
 
 def load_dataset(name: str) -> list:

@@ -8,6 +8,7 @@ that framework would have picked, and says which knobs it filled.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from costmodels.specs import (AttentionBackend, CudaGraphImpl, DispatcherType, F
                               ModelSpec, Precision, Recompute, SpecError, parse_cuda_graph_modules)
 from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
-from .datasets import gpu_generation, recipe_settings
+from .datasets import gpu_generation, launch_settings, recipe_settings
 from .files import read_json
 from .search import NothingFits, NoLegalPlan, exhaustive
 
@@ -88,7 +89,8 @@ def model_from_row(m: dict) -> ModelSpec:
         num_kv_heads=int(m.get("kv_heads") or (preset.num_kv_heads if preset else m["heads"])),
         vocab_size=int(m.get("vocab") or (preset.vocab_size if preset else _family(name)["vocab"])),
         gated_mlp=gated,
-        tied_embeddings=preset.tied_embeddings if preset else not gated,
+        tied_embeddings=(bool(m["tied_embeddings"]) if m.get("tied_embeddings") is not None
+                         else preset.tied_embeddings if preset else not gated),
         max_seq_len=int(m.get("seq_len") or 4096),
     )
     if preset is not None:
@@ -122,7 +124,10 @@ def is_nemo_recipe(row: dict) -> bool:
     """A run of NVIDIA's NeMo / Megatron-Bridge benchmark recipes (their published performance tables)."""
     src = row.get("source") or {}
     text = f"{src.get('title', '')} {src.get('url', '')}".lower()
-    return "nemo" in text or "megatron-bridge" in text
+    return bool(_NEMO.search(text)) or "megatron-bridge" in text
+
+
+_NEMO = re.compile(r"\bnemo\b")      # the word: "Nemotron-4 ... Technical Report" is a research run, not a recipe
 
 
 def _fp8_param_recipe(row: dict) -> bool:
@@ -236,7 +241,24 @@ def recipe_recompute_knobs(row: dict, model: ModelSpec) -> dict:
 _LORA = re.compile(r"\blora\b", re.IGNORECASE)
 
 
+def with_launch_settings(row: dict) -> tuple[dict, dict]:
+    """The row with the plan (and model) values its published launch script or paper gives where the row
+    says null (autotune/data/launch_settings.json), and that entry (empty when there is none)."""
+    launch = launch_settings().get(row.get("id", ""), {})
+    if not launch:
+        return row, launch
+    out = dict(row)
+    for block in ("plan", "model"):
+        values = dict(row.get(block) or {})
+        for key, val in (launch.get(block) or {}).items():
+            if values.get(key) is None:
+                values[key] = val
+        out[block] = values
+    return out, launch
+
+
 def case_from_row(row: dict) -> RowCase:
+    row, launch = with_launch_settings(row)
     hw, plan, m = row.get("hardware") or {}, row.get("plan") or {}, row.get("model") or {}
     if _LORA.search(f"{row.get('id', '')} {row.get('notes', '')}"):
         raise SpecError("training", "parameter-efficient fine-tuning (LoRA) is not modeled yet: frozen "
@@ -269,6 +291,10 @@ def case_from_row(row: dict) -> RowCase:
         # their delayed-scaling and MXFP8 recipes gather fp8 primary weights (mixed_precision.py)
         fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row),
         **moe_recipe_options(row))
+    if launch.get("framework"):       # the options its published launch script (or the code of its time) ran with
+        from .problem import framework_spec
+        stated = framework_spec(**launch["framework"])
+        framework = dataclasses.replace(framework, **{k: getattr(stated, k) for k in launch["framework"]})
     if isinstance((row.get("run") or {}).get("framework"), dict):    # a run that states its framework options
         from .problem import framework_spec                               # (autotune verify's records)
         framework = framework_spec(**row["run"]["framework"])

@@ -16,7 +16,8 @@ from cli.common import (EXIT_NOTHING_FITS, EXIT_OK, check_problem_options, error
 from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt,  # noqa: E402
                          IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
-                         DispatcherOpt, EpOverlapOpt, CudaGraphImplOpt, CudaGraphModulesOpt, framework_options)
+                         DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, CudaGraphImplOpt,
+                         CudaGraphModulesOpt, framework_options)
 from costmodels.specs import SpecError
 
 
@@ -51,6 +52,8 @@ def explain(
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
     overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
+    overlap_grad_reduce: OverlapGradReduceOpt = None,
+    overlap_param_gather: OverlapParamGatherOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -69,7 +72,8 @@ def explain(
                                 framework=framework_options(framework, attention_backend, tp_comm_overlap,
                                                             grad_reduce_in_bf16, fp8_param_gather,
                                                             moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm))
+                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather))
     params, _ = api.load_params(calibration, problem.cluster.gpu.name)
     if plan:
         the_plan = api.plan_from_text(plan, problem)
@@ -210,6 +214,8 @@ def whatif(
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
     overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
+    overlap_grad_reduce: OverlapGradReduceOpt = None,
+    overlap_param_gather: OverlapParamGatherOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -227,7 +233,8 @@ def whatif(
         calibrated_gpu = str(read_calibration(calibration)[1].get("gpu") or "").lower() or None
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
                            moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
+                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather)
     rows = []
     for g in gpu:
         for bw in list(inter_node_bw or []) or [None]:

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from cli.common import print_json as _print_json, stdout_console as _console
 from cli.options import (AttentionBackendOpt, CalibrationOpt, ClusterOpt, CudaGraphImplOpt, CudaGraphModulesOpt,
-                         DispatcherOpt, EpOverlapOpt, Fp8ParamGatherOpt,
+                         DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, Fp8ParamGatherOpt,
                          FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt, GpusPerNodeOpt, GradReduceBf16Opt, InterBwOpt,
                          IntraBwOpt, JsonOpt, MemLimitOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
                          framework_options)
@@ -144,6 +144,8 @@ def export_cmd(
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
     overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
+    overlap_grad_reduce: OverlapGradReduceOpt = None,
+    overlap_param_gather: OverlapParamGatherOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     as_json: JsonOpt = False,
@@ -155,7 +157,8 @@ def export_cmd(
         report, plan, model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw, inter_node_bw,
         cluster, framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16,
                                    fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm), top)
+                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather), top)
     exported = [export(target, p, problem) for p in plans]      # any refusal stops before writing
     paths = []
     if out:

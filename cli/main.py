@@ -23,7 +23,7 @@ from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineError
                         stdout_console, thousands)
 from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
-    FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
+    FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options,
 )
@@ -171,6 +171,8 @@ def search(
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
     overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
+    overlap_grad_reduce: OverlapGradReduceOpt = None,
+    overlap_param_gather: OverlapParamGatherOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
@@ -186,7 +188,8 @@ def search(
 
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
                            moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm)
+                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather)
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
@@ -325,6 +328,8 @@ def predict(
     fp8_param_gather: Fp8ParamGatherOpt = None,
     moe_token_dispatcher_type: DispatcherOpt = None,
     overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
+    overlap_grad_reduce: OverlapGradReduceOpt = None,
+    overlap_param_gather: OverlapParamGatherOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -336,7 +341,8 @@ def predict(
                        inter_node_bw, cluster, framework_options(framework, attention_backend, tp_comm_overlap,
                                                                  grad_reduce_in_bf16, fp8_param_gather,
                                                                  moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm))
+                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather))
     the_plan = plan_from_text(plan, problem)
     from autotune import api                          # JAX: only once the problem and the plan are checked
     from autotune.report import plan_text, problem_dict

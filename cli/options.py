@@ -37,6 +37,8 @@ TpCommOverlapOpt = Annotated[Optional[bool], typer.Option("--tp-comm-overlap/--n
 GradReduceBf16Opt = Annotated[Optional[bool], typer.Option("--grad-reduce-in-bf16/--grad-reduce-in-fp32", help="Gradient buffers and their reduction in bf16 (Megatron-Bridge recipes) or fp32 (Megatron-LM default).")]
 Fp8ParamGatherOpt = Annotated[Optional[bool], typer.Option("--fp8-param-gather/--no-fp8-param-gather", help="fp8 primary weights and fp8 parameter all-gathers (fp8/fp4 only).")]
 DispatcherOpt = Annotated[Optional[str], typer.Option("--moe-token-dispatcher-type", help="alltoall (default here), allgather or flex (DeepEP/HybridEP: a token crosses to another node once).")]
+OverlapGradReduceOpt = Annotated[Optional[bool], typer.Option("--overlap-grad-reduce/--no-overlap-grad-reduce", help="Megatron --overlap-grad-reduce: gradient reduction under the last backward. Default here on (the recipes' setting; Megatron's own default is off).")]
+OverlapParamGatherOpt = Annotated[Optional[bool], typer.Option("--overlap-param-gather/--no-overlap-param-gather", help="Megatron --overlap-param-gather (distributed optimizer; needs --overlap-grad-reduce): parameter all-gather under the first forward. Default here on.")]
 EpOverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-moe-expert-parallel-comm/--no-overlap-moe-expert-parallel-comm", help="Megatron's batch-level EP overlap: each micro-batch's all-to-alls under another's compute (needs ep > 1, vpp > 1 with pp). Default off.")]
 
 CudaGraphImplOpt = Annotated[Optional[str], typer.Option("--cuda-graph-impl", help="Megatron CUDA graphs: none (default), "
@@ -49,10 +51,12 @@ CudaGraphModulesOpt = Annotated[Optional[list[str]], typer.Option(
 
 def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
                       moe_token_dispatcher_type, cuda_graph_impl=None, cuda_graph_modules=None,
-                      overlap_moe_expert_parallel_comm=None) -> dict:
+                      overlap_moe_expert_parallel_comm=None, overlap_grad_reduce=None,
+                      overlap_param_gather=None) -> dict:
     """The framework flags as `api.build_problem(framework=...)` takes them."""
     return {"framework": framework, "attention_backend": attention_backend, "tp_comm_overlap": tp_comm_overlap,
             "grad_reduce_in_fp32": None if grad_reduce_in_bf16 is None else not grad_reduce_in_bf16,
             "fp8_param_gather": fp8_param_gather, "moe_token_dispatcher_type": moe_token_dispatcher_type,
             "cuda_graph_impl": cuda_graph_impl, "cuda_graph_modules": cuda_graph_modules,
-            "overlap_moe_expert_parallel_comm": overlap_moe_expert_parallel_comm}
+            "overlap_moe_expert_parallel_comm": overlap_moe_expert_parallel_comm,
+            "overlap_grad_reduce": overlap_grad_reduce, "overlap_param_gather": overlap_param_gather}

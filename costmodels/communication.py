@@ -131,8 +131,21 @@ def dp_groups(S: Shapes) -> DataParallelGroups:
     return DataParallelGroups(S.dp * S.cp, S.tp * S.cp * S.dp / (S.ep * S.etp))
 
 
+#: Megatron-Core's default gradient bucket: max(40M, 1M x data-parallel size) parameters
+#: (distributed_data_parallel.py; training.py resolve_ddp_bucket_size)
+BUCKET_MIN_PARAMS = 4e7
+BUCKET_PARAMS_PER_DP_RANK = 1e6
+
+
+def bucket_share(params, dp_size):
+    """The share of a rank's gradient buffer in one default-sized bucket (1 when it all fits in one)."""
+    bucket = jnp.maximum(BUCKET_MIN_PARAMS, BUCKET_PARAMS_PER_DP_RANK * dp_size)
+    return jnp.clip(bucket / jnp.maximum(params, 1.0), 0.0, 1.0)
+
+
 def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_expert, layers,
-                    lt: LayerTimes, stage_layers_s, H: dict, grad_bytes, e: EfficiencyParams, idle_s=0.0):
+                    lt: LayerTimes, stage_layers_s, H: dict, grad_bytes, e: EfficiencyParams, idle_s=0.0,
+                    grad_overlap=1.0, param_overlap=1.0):
     """Exposed gradient / parameter traffic per step of the stage with most parameters.
 
     ZeRO 0: all-reduce of gradients, overlapped with the last micro-batch's backward. ZeRO 1
@@ -142,16 +155,34 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     reduce-scatters its gradients [Z20 sec. 5.2]. ZeRO 3 / FSDP: per micro-batch two gathers of parameters (forward,
     backward) and a reduce-scatter of gradients, layer by layer (many smaller collectives that
     compete with compute for SMs: zero3_bw_eff); with prefetch they hide under the layers' work
-    except about two layers' worth (the first gather, the last reduce-scatter)."""
+    except about two layers' worth (the first gather, the last reduce-scatter).
+
+    grad_overlap / param_overlap (0 or 1): Megatron's --overlap-grad-reduce and --overlap-param-gather.
+    Without the first, gradients are reduced after the whole backward pass (Megatron-LM's only behaviour
+    before the option came in 2023: its `local` DDP all-reduced its buffer after backward); without the
+    second, the distributed optimizer all-gathers the updated parameters after its step, not under the
+    next forward (distributed_data_parallel_config.py). With them, the last gradient bucket (and the
+    first parameter bucket) stays exposed: `bucket_share` of the traffic, which grows with the DP size
+    because Megatron's buckets do (max(40M, 1M x dp) parameters)."""
     link, lat = _links(e), e.collective_latency_s
     moe_on = S.is_moe                                        # dense models have no expert grads
     pd, pe = params_dense, params_expert
-    ar = C.all_reduce_s(grad_bytes * pd, groups.dense, S.tp, H, link, lat) \
-        + moe_on * C.all_reduce_s(grad_bytes * pe, groups.expert, S.ep * S.etp, H, link, lat)
-    rs = C.reduce_scatter_s(grad_bytes * pd, groups.dense, S.tp, H, link, lat) \
-        + moe_on * C.reduce_scatter_s(grad_bytes * pe, groups.expert, S.ep * S.etp, H, link, lat)
-    ag = C.all_gather_s(PARAM_GATHER_BYTES * pd, groups.dense, S.tp, H, link, lat) \
-        + moe_on * C.all_gather_s(PARAM_GATHER_BYTES * pe, groups.expert, S.ep * S.etp, H, link, lat)
+    ar_d = C.all_reduce_s(grad_bytes * pd, groups.dense, S.tp, H, link, lat)
+    ar_e = moe_on * C.all_reduce_s(grad_bytes * pe, groups.expert, S.ep * S.etp, H, link, lat)
+    rs_d = C.reduce_scatter_s(grad_bytes * pd, groups.dense, S.tp, H, link, lat)
+    rs_e = moe_on * C.reduce_scatter_s(grad_bytes * pe, groups.expert, S.ep * S.etp, H, link, lat)
+    ag_d = C.all_gather_s(PARAM_GATHER_BYTES * pd, groups.dense, S.tp, H, link, lat)
+    ag_e = moe_on * C.all_gather_s(PARAM_GATHER_BYTES * pe, groups.expert, S.ep * S.etp, H, link, lat)
+    ar, rs, ag = ar_d + ar_e, rs_d + rs_e, ag_d + ag_e
+    # Megatron's gradient buckets hold max(40M, 1M x dp) parameters (distributed_data_parallel.py); the
+    # last bucket's reduction starts only when the backward pass ends, and the first bucket's gather
+    # must end before the first layer's forward: that bucket's share of the traffic never hides
+    tail_d = bucket_share(pd, groups.dense)
+    tail_e = bucket_share(pe, groups.expert)
+
+    def tail(t_d, t_e):
+        return grad_overlap * (tail_d * t_d + tail_e * t_e)
+
     fm = S.frac_moe
     # last micro-batch backward, first micro-batch forward; the GPU's idle time in a host-bound
     # micro-batch and its waits on exposed TP / CP / EP collectives (idle_s) lengthen whichever pass
@@ -160,13 +191,13 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     win_b = layers * ((1.0 - fm) * lt.bwd_dense + fm * lt.bwd_moe) + idle_s
     win_f = layers * ((1.0 - fm) * lt.fwd_dense + fm * lt.fwd_moe) + idle_s
 
-    def exposed(t, window):
-        return t - jnp.minimum(e.dp_overlap * t, window)
+    def exposed(t, window, allowed, floor=0.0):
+        return jnp.maximum(t - jnp.minimum(allowed * e.dp_overlap * t, window), floor)
 
     m = S.micro_batches
-    z0 = exposed(ar, win_b)
-    z1 = exposed(rs, win_b) + exposed(ag, win_f)
-    z2 = m * exposed(rs, win_b) + exposed(ag, win_f)
+    z0 = exposed(ar, win_b, grad_overlap, tail(ar_d, ar_e))
+    z1 = exposed(rs, win_b, grad_overlap, tail(rs_d, rs_e)) + exposed(ag, win_f, param_overlap, tail(ag_d, ag_e))
+    z2 = m * exposed(rs, win_b, grad_overlap) + exposed(ag, win_f, param_overlap)
     t_z3 = m * (2.0 * ag + rs) / e.zero3_bw_eff
     # the window is the layers' work only: the embedding and output layer come before the first
     # gather and after the last reduce-scatter, and compute already hides TP/CP traffic

@@ -124,6 +124,9 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         flash=float(j.flash_attention),
         tp_overlap=float(j.tp_comm_overlap),
         grad_bytes=j.framework.grad_bytes_per_param,
+        # --overlap-grad-reduce / --overlap-param-gather (the second needs the first: Megatron asserts it)
+        dp_grad_overlap=float(j.framework.overlap_grad_reduce),
+        dp_param_overlap=float(j.framework.overlap_param_gather and j.framework.overlap_grad_reduce),
         gpipe=float(j.framework.pipeline_schedule is PipelineSchedule.GPIPE),
         mb_grad_buffer=float(j.framework.microbatch_grad_buffer),
         moe_capacity=float(j.framework.moe_expert_capacity_factor),
