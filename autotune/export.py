@@ -126,6 +126,7 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     Refused: ZeRO-2 (DeepSpeed only; Megatron has the distributed optimizer = zero 1 and
     Megatron-FSDP = zero 3)."""
     check_plan(plan, problem)
+    _refuse_sync_tp(target, problem)
     fw = problem.job.framework
     if plan.pp > 1 and fw.pipeline_schedule is PipelineSchedule.GPIPE:
         raise ExportRefused(target, "pipeline_schedule=gpipe", "Megatron-Core schedules pipelines with 1F1B "
@@ -173,6 +174,8 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     a += _MEGATRON_PRECISION[problem.job.precision]
     if not fw.grad_reduce_in_fp32:
         a += ["--grad-reduce-in-bf16"]
+    if not fw.gradient_accumulation_fusion:
+        a += ["--no-gradient-accumulation-fusion"]
     if fw.fp8_param_gather:
         a += ["--fp8-param-gather"]
     if fw.tp_comm_overlap:
@@ -193,9 +196,19 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     return [str(x) for x in a]
 
 
+def _refuse_sync_tp(target: str, problem: Problem) -> None:
+    """A plan scored as 2021 Megatron-LM ran (a synchronous backward TP all-reduce) has no switch in any
+    framework run today."""
+    if not problem.job.framework.async_tensor_model_parallel_allreduce:
+        raise ExportRefused(target, "async_tensor_model_parallel_allreduce=false", "current Megatron-Core always "
+                            "overlaps the backward TP collective with the weight-gradient GEMM (the switch was removed); "
+                            "score the plan with the default to export it")
+
+
 def _refuse_cuda_graphs(target: str, problem: Problem) -> None:
     """The plan was scored with Megatron-Core's CUDA graphs (or its batch-level EP overlap), which
     other frameworks do not run."""
+    _refuse_sync_tp(target, problem)
     if problem.job.framework.overlap_moe_expert_parallel_comm:
         raise ExportRefused(target, "overlap_moe_expert_parallel_comm=true", f"Megatron-Core's batch-level EP "
                             f"overlap has no {target} setting; score the plan without it, or export --to megatron / bridge")
@@ -391,6 +404,7 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     """Hydra-style `group.field=value` overrides for Megatron-Bridge's run_recipe.py / NeMo 2
     recipes (the mapping of docs/megatron-lm-to-megatron-bridge.md)."""
     check_plan(plan, problem)
+    _refuse_sync_tp("bridge", problem)
     fw, job = problem.job.framework, problem.job
     if job.precision not in _BRIDGE_PRECISION:
         raise ExportRefused("bridge", f"precision={job.precision.value}", "Megatron-Bridge's recipes are mixed "
@@ -435,6 +449,8 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
           ("mixed_precision", _BRIDGE_PRECISION[job.precision]), ("comm_overlap.tp_comm_overlap", fw.tp_comm_overlap)]
     if fw.overlap_moe_expert_parallel_comm:
         o += [("comm_overlap.overlap_moe_expert_parallel_comm", True)]
+    if not fw.gradient_accumulation_fusion:
+        o += [("model.gradient_accumulation_fusion", False)]
     if fw.fp8_param_gather:
         o += [("model.fp8_param", True), ("ddp.fp8_param_gather", True)]
     if fw.cuda_graph_impl is not CudaGraphImpl.NONE:

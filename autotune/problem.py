@@ -48,14 +48,18 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    moe_expert_capacity_factor: float | None = None,
                    cuda_graph_impl: str | None = None,
                    cuda_graph_modules: list | tuple | str | None = None,
-                   overlap_moe_expert_parallel_comm: bool | None = None) -> FrameworkSpec:
+                   overlap_moe_expert_parallel_comm: bool | None = None,
+                   gradient_accumulation_fusion: bool | None = None,
+                   async_tensor_model_parallel_allreduce: bool | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
                                    overlap_param_gather=overlap_param_gather,
                                    microbatch_grad_buffer=microbatch_grad_buffer,
                                    moe_expert_capacity_factor=moe_expert_capacity_factor,
-                                   overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm).items()
+                                   overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                                   gradient_accumulation_fusion=gradient_accumulation_fusion,
+                                   async_tensor_model_parallel_allreduce=async_tensor_model_parallel_allreduce).items()
              if v is not None}
     if framework is not None:
         given["framework"] = Framework.parse(framework)

@@ -16,7 +16,8 @@ from cli.common import (EXIT_NOTHING_FITS, EXIT_OK, check_problem_options, error
 from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt,  # noqa: E402
                          IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
-                         DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, CudaGraphImplOpt,
+                         DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
+                         CudaGraphImplOpt,
                          CudaGraphModulesOpt, framework_options)
 from costmodels.specs import SpecError
 
@@ -54,6 +55,7 @@ def explain(
     overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
     overlap_grad_reduce: OverlapGradReduceOpt = None,
     overlap_param_gather: OverlapParamGatherOpt = None,
+    gradient_accumulation_fusion: GradAccFusionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -73,7 +75,8 @@ def explain(
                                                             grad_reduce_in_bf16, fp8_param_gather,
                                                             moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather))
+                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                           gradient_accumulation_fusion=gradient_accumulation_fusion))
     params, _ = api.load_params(calibration, problem.cluster.gpu.name)
     if plan:
         the_plan = api.plan_from_text(plan, problem)
@@ -216,6 +219,7 @@ def whatif(
     overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
     overlap_grad_reduce: OverlapGradReduceOpt = None,
     overlap_param_gather: OverlapParamGatherOpt = None,
+    gradient_accumulation_fusion: GradAccFusionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -234,7 +238,8 @@ def whatif(
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
                            moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather)
+                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                           gradient_accumulation_fusion=gradient_accumulation_fusion)
     rows = []
     for g in gpu:
         for bw in list(inter_node_bw or []) or [None]:

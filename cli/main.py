@@ -23,7 +23,8 @@ from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineError
                         stdout_console, thousands)
 from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
-    FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt,
+    FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
+    OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options,
 )
@@ -173,6 +174,7 @@ def search(
     overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
     overlap_grad_reduce: OverlapGradReduceOpt = None,
     overlap_param_gather: OverlapParamGatherOpt = None,
+    gradient_accumulation_fusion: GradAccFusionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
@@ -189,7 +191,8 @@ def search(
     fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
                            moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather)
+                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                           gradient_accumulation_fusion=gradient_accumulation_fusion)
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
@@ -330,6 +333,7 @@ def predict(
     overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
     overlap_grad_reduce: OverlapGradReduceOpt = None,
     overlap_param_gather: OverlapParamGatherOpt = None,
+    gradient_accumulation_fusion: GradAccFusionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -342,7 +346,8 @@ def predict(
                                                                  grad_reduce_in_bf16, fp8_param_gather,
                                                                  moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather))
+                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                           gradient_accumulation_fusion=gradient_accumulation_fusion))
     the_plan = plan_from_text(plan, problem)
     from autotune import api                          # JAX: only once the problem and the plan are checked
     from autotune.report import plan_text, problem_dict

@@ -44,6 +44,8 @@ class LayerComm(NamedTuple):
     tp_pair: object          # one all-reduce (or AG + RS pair) of the activations over TP
     tp_dense: object         # a dense layer's TP collectives, after overlap with its GEMMs
     tp_moe: object           # an MoE layer's: the attention pair + expert-TP reduce-scatters
+    tp_dense_bwd: object     # the same collectives in the backward pass (some run under weight-gradient GEMMs)
+    tp_moe_bwd: object
     cp_fwd: object
     cp_bwd: object
     ep_fwd: object           # dispatch + combine
@@ -63,12 +65,23 @@ def layer_comm(S: Shapes, w: LayerWork, lt: LayerTimes, M: dict, H: dict, J: dic
     def exposed(t_comm, t_gemm):
         return t_comm - can_overlap * jnp.minimum(e.tp_comm_overlap * t_comm, t_gemm)
 
+    # Backward, without userbuffers: the column-parallel layers' collective on the input gradient (all-reduce;
+    # with SP the reduce-scatter, while the row-parallel layers' all-gather of the output gradient stays
+    # synchronous: half) is issued asynchronously and runs under the weight-gradient GEMM (Megatron-LM since
+    # 2022, tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication; 2021 code waited)
+    async_share = J["tp_async"] * (1.0 - 0.5 * S.sp) * (1.0 - can_overlap)
+
+    def exposed_bwd(t_comm, t_gemm):
+        return exposed(t_comm, t_gemm) - async_share * jnp.minimum(e.tp_comm_overlap * t_comm, t_gemm)
+
     tp_dense = exposed(2.0 * tp_pair, w.attn_proj + w.mlp_dense)
+    tp_dense_bwd = exposed_bwd(2.0 * tp_pair, w.attn_proj + w.mlp_dense)
     etp_bytes = S.routed_tokens * S.etp * h * J["act_bytes"]
     t_etp = 2.0 * C.reduce_scatter_s(etp_bytes, S.etp, 1.0, H, link, lat)
     # shared experts are column/row-parallel over TP like a dense MLP: their own AG + RS pair
     has_shared = (M["shared_ffn"] > 0).astype(jnp.float32)
     tp_moe = exposed(tp_pair * (1.0 + has_shared) + t_etp, w.attn_proj + w.mlp_moe)
+    tp_moe_bwd = exposed_bwd(tp_pair * (1.0 + has_shared) + t_etp, w.attn_proj + w.mlp_moe)
     # CP ring attention [RA]: cp-1 exchanges of this rank's K,V block, hidden under attention
     kv_bytes = S.tokens * M["kv_exchange_elems"] / jnp.minimum(S.tp, M["kv_heads"]) * J["act_bytes"]
     # each step every rank sends its block to the next: a hop between nodes goes over one NIC
@@ -88,7 +101,7 @@ def layer_comm(S: Shapes, w: LayerWork, lt: LayerTimes, M: dict, H: dict, J: dic
     t_ag = 2.0 * C.all_gather_s(gathered_bytes, S.ep, S.etp, H, link, lat) * S.is_moe
     t_a2a = jnp.where(J["allgather_dispatch"] > 0, t_ag, t_a2a)
     ep_fwd = jnp.where(J["ep_a2a_overlap"] > 0, merged_ep_exposed_s(S, t_a2a, lt, e), t_a2a)
-    return LayerComm(tp_pair, tp_dense, tp_moe, cp_fwd, cp_bwd, ep_fwd)
+    return LayerComm(tp_pair, tp_dense, tp_moe, tp_dense_bwd, tp_moe_bwd, cp_fwd, cp_bwd, ep_fwd)
 
 
 def unmerged_share(S: Shapes):

@@ -127,6 +127,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         # --overlap-grad-reduce / --overlap-param-gather (the second needs the first: Megatron asserts it)
         dp_grad_overlap=float(j.framework.overlap_grad_reduce),
         dp_param_overlap=float(j.framework.overlap_param_gather and j.framework.overlap_grad_reduce),
+        grad_acc_fusion=float(j.framework.gradient_accumulation_fusion),
+        tp_async=float(j.framework.async_tensor_model_parallel_allreduce),
         gpipe=float(j.framework.pipeline_schedule is PipelineSchedule.GPIPE),
         mb_grad_buffer=float(j.framework.microbatch_grad_buffer),
         moe_capacity=float(j.framework.moe_expert_capacity_factor),

@@ -41,7 +41,7 @@ def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head):
         compute=n * fb_layer + embed * hw_head.embedding + head * head_compute,
         ends=embed * hw_head.embedding + head * (head_compute + head_tp),
         recompute=n * compute.selective_recompute_s(S, w) + n_rec * full_layer,
-        tp=n * ((1.0 - fm) * 2.0 * lc.tp_dense + fm * 2.0 * lc.tp_moe)
+        tp=n * ((1.0 - fm) * (lc.tp_dense + lc.tp_dense_bwd) + fm * (lc.tp_moe + lc.tp_moe_bwd))
         + n_rec * ((1.0 - fm) * lc.tp_dense + fm * lc.tp_moe) + head * head_tp
         + n * ((1.0 - fm) * r.mlp * MLP_SHARE_OF_TP_COMM * lc.tp_dense
                + fm * r.moe * MLP_SHARE_OF_TP_COMM * lc.tp_moe),
@@ -119,11 +119,17 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     p_opt = memory.sharded(memory.StageParams(p_dense, p_expert), groups, S.zero >= 1)
     t_opt = p_opt * memory.OPTIMIZER_STEP_BYTES / (H["hbm_bw"] * e.hbm_eff)
 
+    # without gradient-accumulation fusion each micro-batch's weight gradients are written, then added into
+    # the main gradients by their own kernel (2021 LocalDDP's hook: main_grad.add_(grad)): a read of the new
+    # gradient and a read + write of the main one per local parameter; fused, the wgrad GEMM's epilogue does it
+    t_acc = (1.0 - J["grad_acc_fusion"]) * (p_dense + p_expert) * (J["weight_bytes"] + 2.0 * J["grad_bytes"]) \
+        / (H["hbm_bw"] * e.hbm_eff)
+
     # ---- the step ----
     m = S.micro_batches
     overhead = e.step_overhead_s + m * e.microbatch_overhead_s
-    step = m * t_max + bubble + pp_comm + dp_comm + t_opt + overhead
-    time = StepTime(compute=m * slowest.pick(first["compute"], mid["compute"], last["compute"]),
+    step = m * (t_max + t_acc) + bubble + pp_comm + dp_comm + t_opt + overhead
+    time = StepTime(compute=m * (slowest.pick(first["compute"], mid["compute"], last["compute"]) + t_acc),
                     recompute=m * slowest.pick(first["recompute"], mid["recompute"], last["recompute"]),
                     tp_comm=m * slowest.pick(first["tp"], mid["tp"], last["tp"]),
                     cp_comm=m * slowest.pick(first["cp"], mid["cp"], last["cp"]),

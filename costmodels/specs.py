@@ -481,6 +481,14 @@ class FrameworkSpec:
     fp8_param_gather: bool = False        # --fp8-param-gather: fp8 primary weights, fp8 all-gathers
     overlap_grad_reduce: bool = True      # --overlap-grad-reduce (recipes' setting; Megatron default off)
     overlap_param_gather: bool = True     # --overlap-param-gather (distributed optimizer)
+    # --no-gradient-accumulation-fusion turns it off (Megatron-LM since 2022: the weight-gradient GEMM
+    # accumulates into the fp32 main gradient in its epilogue); off, each micro-batch's gradients are
+    # written and then added into the main gradients by a separate kernel, as all 2021 Megatron-LM did
+    gradient_accumulation_fusion: bool = True
+    # Megatron-LM 2022-24's --no-async-tensor-model-parallel-allreduce; current Megatron-Core has no switch
+    # (always asynchronous): the backward input-gradient collective of column-parallel layers runs under
+    # their weight-gradient GEMM. False = Megatron-LM of 2021, which waited for it (export refuses it)
+    async_tensor_model_parallel_allreduce: bool = True
     moe_token_dispatcher_type: DispatcherType = DispatcherType.ALLTOALL   # --moe-token-dispatcher-type
     pipeline_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B    # Megatron: 1F1B; torchtitan: GPipe too
     # A JAX/XLA trainer that scans over layers (the jax runner; MaxText's gradient accumulation) writes a
@@ -507,7 +515,8 @@ class FrameworkSpec:
             raise SpecError("moe_expert_capacity_factor", f"must be a number >= 0 (0 = dropless), got {cf!r}")
         self._check_cuda_graphs()
         for f in ("tp_comm_overlap", "grad_reduce_in_fp32", "fp8_param_gather", "overlap_grad_reduce",
-                  "overlap_param_gather", "microbatch_grad_buffer", "overlap_moe_expert_parallel_comm"):
+                  "overlap_param_gather", "microbatch_grad_buffer", "overlap_moe_expert_parallel_comm",
+                  "gradient_accumulation_fusion", "async_tensor_model_parallel_allreduce"):
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
         if self.overlap_moe_expert_parallel_comm:

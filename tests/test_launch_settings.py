@@ -110,3 +110,73 @@ def test_a_nemotron_research_run_is_not_read_as_a_nemo_benchmark_recipe():
     assert case_from_row(ROWS["nemotron4-15B-dp96"]).problem.job.framework.grad_reduce_in_fp32 is True
     nemo = next(r for r in ROWS.values() if r["id"].startswith("nemo-24.07"))
     assert is_nemo_recipe(nemo) and case_from_row(nemo).problem.job.framework.grad_reduce_in_fp32 is False
+
+
+def _predict(fw: dict, plan: str, **job):
+    problem = api.build_problem(**{"model": "llama3-8b", "gpu": "h100", "gpus": 8, "global_batch": 32,
+                                   "seq_len": 4096, **job}, framework=fw)
+    return api.predict_plan(problem, api.plan_from_text(plan, problem))
+
+
+def test_without_gradient_accumulation_fusion_each_micro_batch_adds_its_gradients_in_memory():
+    """Llama-3 8B (8.03B parameters, Meta) on one H100 rank per replica, 4 micro-batches: unfused, each
+    micro-batch reads its bf16 gradient and reads + writes the fp32 main gradient (2 + 4 + 4 bytes per
+    parameter) at the H100's 3.35 TB/s x hbm_eff; nothing else moves."""
+    from costmodels.presets import GPU_PRESETS
+    plan = "tp=1,pp=1,mbs=1,zero=1,recompute=full"
+    fused, unfused = _predict({}, plan), _predict({"gradient_accumulation_fusion": False}, plan)
+    per_mb = 8.03e9 * (2 + 4 + 4) / (GPU_PRESETS["h100"].hbm_bandwidth_bytes_per_s * EfficiencyParams().hbm_eff)
+    got = unfused["step_time_s"] - fused["step_time_s"]
+    assert got == pytest.approx(4 * per_mb, rel=0.02)
+    assert unfused["time_breakdown_s"]["compute"] - fused["time_breakdown_s"]["compute"] == pytest.approx(got, rel=1e-4)
+    # bf16 gradient reduction keeps bf16 main gradients: 2 + 2 + 2 bytes
+    bf16 = {"grad_reduce_in_fp32": False}
+    d16 = (_predict({**bf16, "gradient_accumulation_fusion": False}, plan)["step_time_s"]
+           - _predict(bf16, plan)["step_time_s"])
+    assert d16 == pytest.approx(got * 6 / 10, rel=0.02)
+
+
+def test_gradient_accumulation_fusion_exports_as_megatrons_flag():
+    from autotune.export import bridge_overrides, megatron_args
+    problem = api.build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=32, seq_len=4096,
+                                framework={"gradient_accumulation_fusion": False})
+    plan = api.plan_from_text("tp=1,pp=1,mbs=1,zero=1", problem)
+    assert "--no-gradient-accumulation-fusion" in [str(a) for a in megatron_args(plan, problem)]
+    assert "model.gradient_accumulation_fusion=false" in bridge_overrides(plan, problem)
+    on = api.build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=32, seq_len=4096)
+    assert "--no-gradient-accumulation-fusion" not in [str(a) for a in megatron_args(plan, on)]
+
+
+@pytest.mark.parametrize("rid", ["narayanan21-t1-1.7B", "narayanan21-t1-1008.0B", "narayanan21-t2-ptdp-175B-384gpu",
+                                 "megatronlm-readme-gpt3-175b-1024a100"])
+def test_2021_megatron_runs_had_no_gradient_accumulation_fusion(rid):
+    # added to Megatron-LM on 2022-02-13 (commit 83b1e42f30), after every 2021 run
+    assert case_from_row(ROWS[rid]).problem.job.framework.gradient_accumulation_fusion is False
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_backward_tp_collective_hides_under_the_weight_gradient_gemm_since_2022(sp):
+    """Megatron-LM's column-parallel backward issues its input-gradient collective asynchronously and
+    computes the weight gradient meanwhile (all of the backward TP traffic without SP, the reduce-scatter
+    half with SP); 2021's code waited for it. Forward collectives are never hidden this way."""
+    plan = f"tp=8,pp=1,mbs=1,zero=1,sp={str(sp).lower()}"
+    job = dict(model="llama3-70b", gpus=64, global_batch=64)
+    on = _predict({}, plan, **job)["time_breakdown_s"]["tp_comm"]
+    off = _predict({"async_tensor_model_parallel_allreduce": False}, plan, **job)["time_breakdown_s"]["tp_comm"]
+    assert off > on
+    assert off - on <= (0.25 if sp else 0.5) * off * (1 + 1e-5)     # at most the backward (half of it with SP)
+    # with TE userbuffers (--tp-comm-overlap, SP) the collectives are chunked under the GEMMs anyway
+    if sp:
+        ub = {"tp_comm_overlap": True}
+        assert _predict(ub, plan, **job)["time_breakdown_s"]["tp_comm"] == pytest.approx(
+            _predict({**ub, "async_tensor_model_parallel_allreduce": False}, plan, **job)["time_breakdown_s"]["tp_comm"])
+
+
+def test_a_plan_scored_with_the_2021_synchronous_tp_all_reduce_is_not_exported():
+    from autotune.export import ExportRefused, export
+    problem = api.build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=32, seq_len=4096,
+                                framework={"async_tensor_model_parallel_allreduce": False})
+    plan = api.plan_from_text("tp=2,pp=1,mbs=1,zero=1", problem)
+    for target in ("megatron", "bridge", "torchtitan"):
+        with pytest.raises(ExportRefused, match="async_tensor_model_parallel_allreduce"):
+            export(target, plan, problem)
