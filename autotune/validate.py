@@ -23,6 +23,7 @@ from costmodels.specs import (AttentionBackend, CudaGraphImpl, DispatcherType, F
 from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
 from .datasets import gpu_generation, launch_settings, recipe_settings
+from .problem import framework_spec
 from .files import read_json
 from .search import NothingFits, NoLegalPlan, exhaustive
 
@@ -120,14 +121,15 @@ class RowCase:
     measured_tokens_per_s_per_gpu: float | None
 
 
+_NEMO = re.compile(r"\bnemo\b")      # the word: "Nemotron-4 ... Technical Report" is a research run, not a recipe
+
+
 def is_nemo_recipe(row: dict) -> bool:
     """A run of NVIDIA's NeMo / Megatron-Bridge benchmark recipes (their published performance tables)."""
     src = row.get("source") or {}
     text = f"{src.get('title', '')} {src.get('url', '')}".lower()
     return bool(_NEMO.search(text)) or "megatron-bridge" in text
 
-
-_NEMO = re.compile(r"\bnemo\b")      # the word: "Nemotron-4 ... Technical Report" is a research run, not a recipe
 
 
 def _fp8_param_recipe(row: dict) -> bool:
@@ -292,11 +294,9 @@ def case_from_row(row: dict) -> RowCase:
         fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row),
         **moe_recipe_options(row))
     if launch.get("framework"):       # the options its published launch script (or the code of its time) ran with
-        from .problem import framework_spec
         stated = framework_spec(**launch["framework"])
         framework = dataclasses.replace(framework, **{k: getattr(stated, k) for k in launch["framework"]})
     if isinstance((row.get("run") or {}).get("framework"), dict):    # a run that states its framework options
-        from .problem import framework_spec                               # (autotune verify's records)
         framework = framework_spec(**row["run"]["framework"])
     job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision,
                   framework=framework)

@@ -193,8 +193,8 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     tail_d = bucket_share(pd, groups.dense)
     tail_e = bucket_share(pe, groups.expert)
 
-    def tail(t_d, t_e):
-        return grad_overlap * (tail_d * t_d + tail_e * t_e)
+    def tail(t_d, t_e, allowed):
+        return allowed * (tail_d * t_d + tail_e * t_e)
 
     fm = S.frac_moe
     # last micro-batch backward, first micro-batch forward; the GPU's idle time in a host-bound
@@ -208,8 +208,9 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
         return jnp.maximum(t - jnp.minimum(allowed * e.dp_overlap * t, window), floor)
 
     m = S.micro_batches
-    z0 = exposed(ar, win_b, grad_overlap, tail(ar_d, ar_e))
-    z1 = exposed(rs, win_b, grad_overlap, tail(rs_d, rs_e)) + exposed(ag, win_f, param_overlap, tail(ag_d, ag_e))
+    z0 = exposed(ar, win_b, grad_overlap, tail(ar_d, ar_e, grad_overlap))
+    z1 = exposed(rs, win_b, grad_overlap, tail(rs_d, rs_e, grad_overlap)) \
+        + exposed(ag, win_f, param_overlap, tail(ag_d, ag_e, param_overlap))
     z2 = m * exposed(rs, win_b, grad_overlap) + exposed(ag, win_f, param_overlap)
     t_z3 = m * (2.0 * ag + rs) / e.zero3_bw_eff
     # the window is the layers' work only: the embedding and output layer come before the first
