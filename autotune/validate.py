@@ -153,6 +153,14 @@ def zero_stage(row: dict) -> int | None:
     return int(z)
 
 
+def runs_deepspeed_zero(row: dict) -> bool:
+    """ZeRO-2 exists only in DeepSpeed; a row whose ZeRO column names DeepSpeed (Narayanan et al.'s ZeRO-3
+    runs: "DeepSpeed integrated into Megatron") ran DeepSpeed's ZeRO, not Megatron's FSDP."""
+    plan = row.get("plan") or {}
+    return plan.get("zero_key") == 2 or (plan.get("zero_key") is not None and
+                                         "deepspeed" in str(plan.get("distributed_optimizer_or_zero") or "").lower())
+
+
 _YEAR = re.compile(r"\b(20[0-4]\d)\b")
 
 
@@ -284,12 +292,13 @@ def case_from_row(row: dict) -> RowCase:
     modern = framework_is_modern(row)
     recipe = is_nemo_recipe(row)
     framework = FrameworkSpec(
-        framework=Framework.DEEPSPEED if plan.get("zero_key") == 2 else Framework.MEGATRON,
+        framework=Framework.DEEPSPEED if runs_deepspeed_zero(row) else Framework.MEGATRON,
         attention_backend=AttentionBackend.FLASH if modern else AttentionBackend.UNFUSED,
         tp_comm_overlap=modern,
         # NeMo / Megatron-Bridge benchmark recipes reduce gradients in bf16 (perf_recipes/_common.py
-        # sets grad_reduce_in_fp32=False); Megatron-LM's own default with bf16 is fp32
-        grad_reduce_in_fp32=not recipe,
+        # sets grad_reduce_in_fp32=False); Megatron-LM's own default with bf16 is fp32; DeepSpeed's ZeRO
+        # reduces in the model's dtype unless told otherwise (its communication_data_type)
+        grad_reduce_in_fp32=not recipe and not runs_deepspeed_zero(row),
         # their delayed-scaling and MXFP8 recipes gather fp8 primary weights (mixed_precision.py)
         fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row),
         **moe_recipe_options(row))

@@ -158,7 +158,7 @@ def bucket_share(params, dp_size):
 
 def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_expert, layers,
                     lt: LayerTimes, stage_layers_s, H: dict, grad_bytes, e: EfficiencyParams, idle_s=0.0,
-                    grad_overlap=1.0, param_overlap=1.0):
+                    grad_overlap=1.0, param_overlap=1.0, deepspeed_zero3=0.0):
     """Exposed gradient / parameter traffic per step of the stage with most parameters.
 
     ZeRO 0: all-reduce of gradients, overlapped with the last micro-batch's backward. ZeRO 1
@@ -166,9 +166,12 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     under the last backward + one all-gather under the first forward [MG, Z20]. ZeRO 2 (DeepSpeed;
     Megatron has none): each rank keeps only its gradient shard, so every micro-batch's backward
     reduce-scatters its gradients [Z20 sec. 5.2]. ZeRO 3 / FSDP: per micro-batch two gathers of parameters (forward,
-    backward) and a reduce-scatter of gradients, layer by layer (many smaller collectives that
-    compete with compute for SMs: zero3_bw_eff); with prefetch they hide under the layers' work
-    except about two layers' worth (the first gather, the last reduce-scatter).
+    backward) and a reduce-scatter of gradients, layer by layer; prefetched, up to `dp_overlap` of them
+    hides under the layers' work, never the first gather and the last reduce-scatter (about two layers'
+    worth). Megatron's FSDP runs them as the distributed optimizer's bucketed NCCL collectives (at the
+    group's bus bandwidth); DeepSpeed's stage 3 (`deepspeed_zero3`, 0/1) fetched each module's parameters
+    with its own synchronous gathers and copies and reached only `zero3_bw_eff` of it, on NVLink as over
+    InfiniBand (DeepSpeed issue #1174: ~21 GB/s per A100 inside one NVLink node, 2021).
 
     grad_overlap / param_overlap (0 or 1): Megatron's --overlap-grad-reduce and --overlap-param-gather.
     Without the first, gradients are reduced after the whole backward pass (Megatron-LM's only behaviour
@@ -212,8 +215,8 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     z1 = exposed(rs, win_b, grad_overlap, tail(rs_d, rs_e, grad_overlap)) \
         + exposed(ag, win_f, param_overlap, tail(ag_d, ag_e, param_overlap))
     z2 = m * exposed(rs, win_b, grad_overlap) + exposed(ag, win_f, param_overlap)
-    t_z3 = m * (2.0 * ag + rs) / e.zero3_bw_eff
+    t_z3 = m * (2.0 * ag + rs) / jnp.where(deepspeed_zero3 > 0, e.zero3_bw_eff, 1.0)
     # the window is the layers' work only: the embedding and output layer come before the first
     # gather and after the last reduce-scatter, and compute already hides TP/CP traffic
-    z3 = jnp.maximum(t_z3 - m * stage_layers_s, 2.0 * t_z3 / (m * layers))
+    z3 = exposed(t_z3, m * stage_layers_s, 1.0, 2.0 * t_z3 / (m * layers))
     return jnp.where(S.zero == 0, z0, jnp.where(S.zero >= 3, z3, jnp.where(S.zero == 2, z2, z1)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .specs import ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, FrameworkSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
+from .specs import ClusterSpec, CudaGraphImpl, Framework, CudaGraphModule, DispatcherType, FrameworkSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
 
 
 def encode_model(m: ModelSpec) -> dict:
@@ -130,6 +130,7 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         grad_acc_fusion=float(j.framework.gradient_accumulation_fusion),
         tp_async=float(j.framework.async_tensor_model_parallel_allreduce),
         gpipe=float(j.framework.pipeline_schedule is PipelineSchedule.GPIPE),
+        deepspeed=float(j.framework.framework is Framework.DEEPSPEED),
         mb_grad_buffer=float(j.framework.microbatch_grad_buffer),
         moe_capacity=float(j.framework.moe_expert_capacity_factor),
         fp8_param=float(j.framework.fp8_param_gather),
