@@ -730,6 +730,8 @@ def deepspeed_config(plan: Plan, problem: Problem) -> dict:
                  "fp16": {"enabled": problem.job.precision is Precision.FP16},
                  "zero_optimization": {"stage": plan.zero, "overlap_comm": problem.job.framework.overlap_grad_reduce,
                                        "contiguous_gradients": True}}
+    if problem.job.framework.grad_reduce_in_fp32:     # its default is the model's dtype (engine.py)
+        cfg["communication_data_type"] = "fp32"
     if plan.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": plan.tp}
     if problem.model.is_moe and plan.ep > 1:

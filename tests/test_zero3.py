@@ -7,6 +7,8 @@ measurement (a 5.1B model on one 8-GPU NVLink node), so predicting Narayanan's r
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -55,8 +57,9 @@ def test_the_literature_prior_predicts_narayanans_deepspeed_zero3_runs():
 
 
 def _zero3(framework: str, gpus: int = 64):
+    # both reduce gradients in bf16 (DeepSpeed's default; Megatron's --grad-reduce-in-bf16)
     problem = build_problem(model="llama3-8b", gpu="a100-80gb", gpus=gpus, global_batch=gpus, seq_len=2048,
-                            framework={"framework": framework})
+                            framework={"framework": framework, "grad_reduce_in_fp32": False})
     return problem, Plan(tp=1, pp=1, dp=gpus, mbs=1, zero=3)
 
 
@@ -78,3 +81,18 @@ def test_exposed_zero3_traffic_scales_with_the_inverse_bandwidth_share():
     """Nothing hides (dp_overlap 0): DeepSpeed's exposed gathers are Megatron's / zero3_bw_eff."""
     p = EfficiencyParams(dp_overlap=0.0, zero3_bw_eff=0.1)
     assert _dp_comm("deepspeed", p) == pytest.approx(_dp_comm("megatron", p) / 0.1, rel=1e-3)
+
+
+def test_deepspeed_reduces_gradients_in_the_model_dtype_unless_told():
+    """DeepSpeed's communication_data_type defaults to fp16 / bf16 (deepspeed/runtime/engine.py); Megatron's
+    --accumulate-allreduce-grads-in-fp32 default stays fp32."""
+    from autotune.api import framework_spec
+    from autotune.export import export
+    assert not framework_spec(framework="deepspeed").grad_reduce_in_fp32
+    assert framework_spec(framework="megatron").grad_reduce_in_fp32
+    assert framework_spec(framework="deepspeed", grad_reduce_in_fp32=True).grad_reduce_in_fp32
+    problem, plan = _zero3("deepspeed")
+    assert "communication_data_type" not in json.loads(export("deepspeed", plan, problem).text)
+    fp32 = build_problem(model="llama3-8b", gpu="a100-80gb", gpus=64, global_batch=64, seq_len=2048,
+                         framework={"framework": "deepspeed", "grad_reduce_in_fp32": True})
+    assert json.loads(export("deepspeed", plan, fp32).text)["communication_data_type"] == "fp32"
