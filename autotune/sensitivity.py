@@ -113,7 +113,7 @@ PARAM_LABELS = {
     "cp_overlap": "CP communication overlap", "pp_overlap": "pipeline p2p overlap",
     "ep_overlap": "MoE all-to-all overlap", "moe_imbalance": "MoE load imbalance",
     "step_overhead_s": "per-step host overhead", "microbatch_overhead_s": "per-micro-batch host overhead",
-    "collective_latency_s": "collective launch latency", "zero3_bw_eff": "ZeRO-3 gather bandwidth share",
+    "collective_latency_s": "collective launch latency", "zero3_bw_eff": "DeepSpeed ZeRO-3 gather bandwidth share",
     "mem_fragmentation": "allocator fragmentation",
 }
 

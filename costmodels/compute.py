@@ -10,6 +10,7 @@ Sources
   [N21] Narayanan et al. 2021 (SC'21), appendix: GEMM FLOPs of a layer; sec. 3.2.
   [K22] Korthikanti et al. 2022, sec. 4.1: unfused attention stores and moves s x s scores.
   [FA]  Dao 2023, FlashAttention-2: causal attention does half the s^2 work; backward ~2.5x forward.
+  [FA3] Shah et al. 2024, FlashAttention-3, Fig. 5: forward TFLOP/s on H100 by head dimension.
   [DS]  DeepSeek-V2 (2024) sec. 2.1: multi-head latent attention projections.
   [GS]  Lepikhin et al. 2020 (GShard) / Megatron-Core MoE: tokens dispatched k times; EP shards
         experts, ETP shards each expert's FFN.
@@ -63,6 +64,11 @@ EP_COLLECTIVES_PER_MOE_LAYER = 2.0
 HOST_BWD_PER_FWD = 1.0
 #: activations move in bf16
 ACT_BYTES = 2.0
+#: fused attention runs below its head-dim-128 rate with smaller heads: forward on H100 at 4k tokens,
+#: head dim 64 vs 128, FlashAttention-3 476 vs 638 TFLOP/s (0.75x), cuDNN 408 vs 609 (0.67x)
+#: [FA3]; FlashAttention-2 on A100 ~0.85x [FA, Fig. 4]. Modeled
+#: as d/(d + 64) relative to d = 128 (0.75x at 64), never above the head-dim-128 rate
+ATTN_HEAD_DIM_HALF = 64.0
 
 
 def moe_load(J: dict, e: EfficiencyParams):
@@ -192,7 +198,9 @@ def attention_core_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     s, T = J["seq_len"], S.tokens
     heads_local = M["heads"] / S.tp
     flops = 2.0 * T * (s / 2.0) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
-    t_fused = flops / (H["peak_bf16"] * e.attn_eff_max * saturate(s / S.cp, e.attn_seq_half))
+    head_dim = 0.5 * (M["qk_head_dim"] + M["v_head_dim"])
+    head_eff = jnp.minimum(saturate(head_dim, ATTN_HEAD_DIM_HALF) / saturate(128.0, ATTN_HEAD_DIM_HALF), 1.0)
+    t_fused = flops / (H["peak_bf16"] * e.attn_eff_max * head_eff * saturate(s / S.cp, e.attn_seq_half))
     scores = T * s * heads_local
     t_unfused = (2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
                  + scores * e.softmax_bytes_per_score / (H["hbm_bw"] * e.hbm_eff))

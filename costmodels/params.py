@@ -14,32 +14,32 @@ import jax.numpy as jnp
 
 class EfficiencyParams(NamedTuple):
     # --- compute ---
-    gemm_eff_max: float = 0.7935          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
-    gemm_eff_max_fp8: float = 0.9315      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
-    gemm_dim_half: float = 11.1816         # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim
-    attn_eff_max: float = 0.3136          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
+    gemm_eff_max: float = 0.7943          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
+    gemm_eff_max_fp8: float = 0.9348      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
+    gemm_dim_half: float = 11.1606         # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim
+    attn_eff_max: float = 0.3060          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
     attn_seq_half: float = 256.0        # sequence length at which attention efficiency halves
     attn_bwd_ratio: float = 2.5         # flash-attention backward time / forward time (5 vs 2 GEMMs)
-    softmax_bytes_per_score: float = 8.4729  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
-    hbm_eff: float = 0.9274               # achieved fraction of HBM bandwidth for memory-bound kernels
-    elementwise_bytes_h: float = 6.5070   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
-    elementwise_bytes_f: float = 28.9786    # bytes moved per token per FFN unit per layer fwd (activation fn)
-    lp_cast_bytes: float = 0.4609          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
-    kernel_overhead_s: float = 5.706e-06     # launch + tail per kernel (dominates small models)
-    host_op_s: float = 5.341e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
+    softmax_bytes_per_score: float = 8.4735  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
+    hbm_eff: float = 0.9275               # achieved fraction of HBM bandwidth for memory-bound kernels
+    elementwise_bytes_h: float = 6.5319   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
+    elementwise_bytes_f: float = 29.1477    # bytes moved per token per FFN unit per layer fwd (activation fn)
+    lp_cast_bytes: float = 0.4589          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
+    kernel_overhead_s: float = 5.538e-06     # launch + tail per kernel (dominates small models)
+    host_op_s: float = 5.34e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
     # --- communication ---
-    intra_bw_eff: float = 0.9112          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
-    inter_bw_eff: float = 0.8438          # achieved NIC bandwidth fraction
-    tp_comm_overlap: float = 0.8029        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
-    dp_overlap: float = 0.3760             # fraction of DP grad reduce / param gather that may hide under compute
+    intra_bw_eff: float = 0.9089          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
+    inter_bw_eff: float = 0.8288          # achieved NIC bandwidth fraction
+    tp_comm_overlap: float = 0.7997        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
+    dp_overlap: float = 0.3945             # fraction of DP grad reduce / param gather that may hide under compute
     cp_overlap: float = 0.9             # fraction of ring-attention KV exchange hidden under attention compute
-    pp_overlap: float = 0.2343             # fraction of pipeline p2p hidden under compute
-    ep_overlap: float = 0.8447             # --overlap-moe-expert-parallel-comm: share of a merged fwd+bwd pair's compute the all-to-alls hide under
-    moe_imbalance: float = 1.2478         # busiest expert rank load / mean (force-balanced routing ~1.0)
+    pp_overlap: float = 0.2215             # fraction of pipeline p2p hidden under compute
+    ep_overlap: float = 0.8477             # --overlap-moe-expert-parallel-comm: share of a merged fwd+bwd pair's compute the all-to-alls hide under
+    moe_imbalance: float = 1.2084         # busiest expert rank load / mean (force-balanced routing ~1.0)
     step_overhead_s: float = 0.0159       # per optimizer step fixed host work (logging, grad-norm, scheduler)
     microbatch_overhead_s: float = 0.0045 # per micro-batch host work (data, schedule bookkeeping)
-    collective_latency_s: float = 1.347e-05  # fixed launch + synchronization cost of one NCCL collective
-    zero3_bw_eff: float = 0.1070           # DeepSpeed ZeRO-3's per-module gathers: fraction of the bus bandwidth reached
+    collective_latency_s: float = 1.418e-05  # fixed launch + synchronization cost of one NCCL collective
+    zero3_bw_eff: float = 0.1074           # DeepSpeed ZeRO-3's per-module gathers: fraction of the bus bandwidth reached
     # --- memory ---
     mem_fragmentation: float = 1.01     # allocator overhead on dynamic memory (expandable_segments, as NeMo recipes set)
 
