@@ -63,10 +63,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
              if v is not None}
     if framework is not None:
         given["framework"] = Framework.parse(framework)
-        # DeepSpeed reduces gradients in the model's dtype unless its config says otherwise
-        # (deepspeed/runtime/engine.py, communication_data_type: fp16 / bf16 when enabled)
-        if given["framework"] is Framework.DEEPSPEED and grad_reduce_in_fp32 is None:
-            given["grad_reduce_in_fp32"] = False
+        if grad_reduce_in_fp32 is None:
+            given["grad_reduce_in_fp32"] = given["framework"].grad_reduce_in_fp32_default
     if attention_backend is not None:
         given["attention_backend"] = AttentionBackend.parse(attention_backend)
     if moe_token_dispatcher_type is not None:

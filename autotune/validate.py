@@ -291,14 +291,14 @@ def case_from_row(row: dict) -> RowCase:
                             gpus_per_node=int(hw["gpus_per_node"]) if hw.get("gpus_per_node") else None)
     modern = framework_is_modern(row)
     recipe = is_nemo_recipe(row)
+    fw_kind = Framework.DEEPSPEED if runs_deepspeed_zero(row) else Framework.MEGATRON
     framework = FrameworkSpec(
-        framework=Framework.DEEPSPEED if runs_deepspeed_zero(row) else Framework.MEGATRON,
+        framework=fw_kind,
         attention_backend=AttentionBackend.FLASH if modern else AttentionBackend.UNFUSED,
         tp_comm_overlap=modern,
         # NeMo / Megatron-Bridge benchmark recipes reduce gradients in bf16 (perf_recipes/_common.py
-        # sets grad_reduce_in_fp32=False); Megatron-LM's own default with bf16 is fp32; DeepSpeed's ZeRO
-        # reduces in the model's dtype unless told otherwise (its communication_data_type)
-        grad_reduce_in_fp32=not recipe and not runs_deepspeed_zero(row),
+        # sets grad_reduce_in_fp32=False); otherwise the framework's own default
+        grad_reduce_in_fp32=not recipe and fw_kind.grad_reduce_in_fp32_default,
         # their delayed-scaling and MXFP8 recipes gather fp8 primary weights (mixed_precision.py)
         fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row),
         **moe_recipe_options(row))

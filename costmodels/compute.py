@@ -66,8 +66,8 @@ HOST_BWD_PER_FWD = 1.0
 ACT_BYTES = 2.0
 #: fused attention runs below its head-dim-128 rate with smaller heads: forward on H100 at 4k tokens,
 #: head dim 64 vs 128, FlashAttention-3 476 vs 638 TFLOP/s (0.75x), cuDNN 408 vs 609 (0.67x)
-#: [FA3]; FlashAttention-2 on A100 ~0.85x [FA, Fig. 4]. Modeled
-#: as d/(d + 64) relative to d = 128 (0.75x at 64), never above the head-dim-128 rate
+#: [FA3]; FlashAttention-2 on A100 ~0.85x [FA, Fig. 4]. Modeled as d/(d + 64) relative to d = 128
+#: (0.75x at 64), never above the head-dim-128 rate
 ATTN_HEAD_DIM_HALF = 64.0
 
 

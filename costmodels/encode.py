@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .specs import ClusterSpec, CudaGraphImpl, Framework, CudaGraphModule, DispatcherType, FrameworkSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
+from .specs import ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, Framework, FrameworkSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
 
 
 def encode_model(m: ModelSpec) -> dict:

@@ -353,6 +353,12 @@ class Framework(enum.Enum):
     def parse(cls, text: str, field_name: str = "framework") -> "Framework":
         return _parse_enum(cls, text, field_name)
 
+    @property
+    def grad_reduce_in_fp32_default(self) -> bool:
+        """Megatron reduces fp32 main gradients unless --grad-reduce-in-bf16; DeepSpeed reduces in the
+        model's dtype unless its config says otherwise (deepspeed/runtime/engine.py, communication_data_type)."""
+        return self is Framework.MEGATRON
+
 
 class AttentionBackend(enum.Enum):
     """Megatron-Core --attention-backend: a fused kernel (FlashAttention / cuDNN fused attention)
