@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Measure 8 plans of a 1.1B Llama (TinyLlama dims) on ONE GPU with the jax runner, as proxies of
-# 8-GPU plans (one pipeline stage's layers, one DP rank's micro-batches), print predicted vs measured
-# step time and memory, then calibrate the cost model on half of the runs and score the other half.
+# Measure 13 plans of a 1.1B Llama (TinyLlama dims) and 4 of an 8-layer Llama 3 8B stage on ONE GPU with
+# the jax runner, as proxies of 8-GPU plans (one pipeline stage's layers, one DP rank's micro-batches),
+# print predicted vs measured step time and memory, then calibrate the cost model on half of the runs and
+# score the other half. The 17 records of 2026-12-04 (H200) are tests/data/gpu/h200_verify_runs.json.
 #   tests/gpu/verify_gpu.sh [OUT_DIR]        (GPU=h200 by default; PYTHON=python)
 # Without a GPU visible to JAX it says so and exits 0. Needs jax with CUDA (pip install 'jax[cuda12]').
 set -euo pipefail
@@ -25,11 +26,27 @@ PLANS=(
   "tp=1,pp=2,mbs=2,recompute=selective"
   "tp=1,pp=2,mbs=4,recompute=full"
   "tp=1,pp=1,mbs=8,recompute=full"
+  "tp=1,pp=1,mbs=4"
+  "tp=1,pp=1,mbs=2,recompute=full"
+  "tp=1,pp=1,mbs=8"
+  "tp=1,pp=1,mbs=4,recompute=selective"
+  "tp=1,pp=1,mbs=1,recompute=full"
+)
+PLANS_8B=(
+  "tp=1,pp=4,mbs=1"
+  "tp=1,pp=4,mbs=2"
+  "tp=1,pp=4,mbs=2,recompute=full"
+  "tp=1,pp=4,mbs=1,recompute=selective"
 )
 for plan in "${PLANS[@]}"; do
   echo "== $plan"
   $PY -m cli.main verify --model "$MODEL" --gpu "$GPU" --gpus 8 --global-batch 64 --seq-len 2048 \
       --plan "$plan" --proxy --steps 5 --out "$OUT/runs" || echo "   (exit $? recorded)"
+done
+for plan in "${PLANS_8B[@]}"; do
+  echo "== llama3-8b $plan"
+  $PY -m cli.main verify --model llama3-8b --gpu "$GPU" --gpus 8 --global-batch 16 --seq-len 4096 \
+      --plan "$plan" --proxy --steps 4 --out "$OUT/runs" || echo "   (exit $? recorded)"
 done
 $PY - "$OUT" "$GPU" <<'PYEOF'
 import glob, json, os, subprocess, sys

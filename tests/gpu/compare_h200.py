@@ -1,0 +1,231 @@
+"""The cost model's compute terms and the verify runs against what one H200 measured.
+
+    python tests/gpu/compare_h200.py [--microbench FILE] [--runs FILE] [--json]
+
+Reads the bundled measurements (tests/data/gpu/: `microbench.py` and `verify_gpu.sh` output of
+2026-12-04, provenance in tests/data/gpu/README.md) and prints, beside the cost model's own terms:
+  * GEMM: measured time of each x @ W^T shape vs `costmodels.compute.gemm_s` + one kernel's overhead
+    with the shipped defaults and with the literature prior; then the (gemm_eff_max, gemm_dim_half,
+    kernel overhead) that fit the measurements themselves (a grid, least squares in log time).
+  * attention: per backend and head dim, the forward efficiency eff_max x s/(s + seq_half) fitted to
+    the measurements and the backward/forward time ratio, beside the model's constants.
+  * HBM: achieved fraction of the datasheet bandwidth vs `hbm_eff`.
+  * verify runs: each bundled jax-runner run, predicted now vs measured (step time and memory).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
+
+from costmodels.compute import ATTN_HEAD_DIM_HALF, gemm_s, saturate  # noqa: E402
+from costmodels.params import LITERATURE_PRIOR, EfficiencyParams  # noqa: E402
+from costmodels.presets import GPU_PRESETS  # noqa: E402
+
+DATA = os.path.join(ROOT, "tests", "data", "gpu")
+MICROBENCH = os.path.join(DATA, "h200_microbench.json")
+RUNS = os.path.join(DATA, "h200_verify_runs.json")
+GPU = GPU_PRESETS["h200"]
+
+
+def load(path: str):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def gemm_arrays(doc: dict) -> tuple:
+    g = doc["gemm"]
+    return tuple(np.array([r[k] for r in g], dtype=float) for k in ("m", "n", "k", "bf16_s"))
+
+
+def training_shapes(m, n, k):
+    """The shapes a transformer's projections take at training sizes: >= 2048 tokens per micro-batch,
+    >= 1024 outputs and >= 2048 inputs per GPU (smaller ones are MoE experts or heavy TP)."""
+    return (m >= 2048) & (n >= 1024) & (k >= 2048)
+
+
+def model_gemm_s(m, n, k, e: EfficiencyParams) -> np.ndarray:
+    """The cost model's bf16 GEMM on the H200 preset, plus the one kernel it launches."""
+    t = gemm_s(m, n, k, GPU.peak_flops_bf16 * GPU.matmul_frac_bf16, 2.0, GPU.hbm_bandwidth_bytes_per_s,
+               e.gemm_eff_max, e)
+    return np.asarray(t) + e.kernel_overhead_s
+
+
+def fit_gemm(m, n, k, t, mask=None) -> dict:
+    """(eff_max, dim_half, kernel overhead) minimizing the squared log error of the model's GEMM form
+    (roofline max of the saturating compute term and HBM traffic, plus a fixed per-kernel time)."""
+    mask = np.ones_like(m, dtype=bool) if mask is None else mask
+    m, n, k, t = m[mask], n[mask], k[mask], t[mask]
+    peak = GPU.peak_flops_bf16 * GPU.matmul_frac_bf16
+    bw = GPU.hbm_bandwidth_bytes_per_s * EfficiencyParams().hbm_eff
+    t_mem = (2.0 * (m * k + k * n) + 2.0 * m * n) / bw
+    best = None
+    for half in np.concatenate([np.arange(1.0, 20.0, 1.0), np.arange(20.0, 300.0, 2.0)]):
+        shape = (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+        ideal = 2.0 * m * n * k / (peak * shape)                     # at eff_max = 1
+        for ko in np.arange(0.0, 15.01, 0.25) * 1e-6:
+            eff = np.arange(0.5, 1.3, 0.005)[:, None]
+            pred = np.maximum(ideal[None, :] / eff, t_mem[None, :]) + ko
+            loss = np.mean(np.log(pred / t[None, :]) ** 2, axis=1)
+            i = int(np.argmin(loss))
+            if best is None or loss[i] < best[0]:
+                best = (float(loss[i]), float(eff[i, 0]), float(half), float(ko))
+    return {"gemm_eff_max": best[1], "gemm_dim_half": best[2], "kernel_overhead_s": best[3]}
+
+
+def error_figures(pred, meas) -> dict:
+    err = pred / meas - 1.0
+    return {"n": int(err.size), "mape_pct": float(100 * np.mean(np.abs(err))),
+            "median_pct": float(100 * np.median(err)), "max_abs_pct": float(100 * np.max(np.abs(err)))}
+
+
+def gemm_section(doc: dict) -> dict:
+    m, n, k, t = gemm_arrays(doc)
+    train = training_shapes(m, n, k)
+    out = {}
+    for name, e in (("shipped defaults", EfficiencyParams()), ("literature prior", LITERATURE_PRIOR)):
+        pred = model_gemm_s(m, n, k, e)
+        out[name] = {"all": error_figures(pred, t), "training shapes": error_figures(pred[train], t[train])}
+    out["fit to these measurements"] = fit_gemm(m, n, k, t)
+    tflops = 2 * m * n * k / t / 1e12
+    out["training shapes TFLOP/s"] = {"median": float(np.median(tflops[train])), "max": float(tflops.max()),
+                                      "of MAMF (median)": float(np.median(tflops[train]) * 1e12
+                                                                / (GPU.peak_flops_bf16 * GPU.matmul_frac_bf16))}
+    return out
+
+
+def fit_attention(rows: list) -> dict:
+    """eff_max and seq_half of the forward efficiency eff_max x s/(s+seq_half) (fraction of bf16 peak),
+    least squares in log throughput over a grid; and the median backward/forward time ratio."""
+    s = np.array([r["seq"] for r in rows], dtype=float)
+    f = np.array([r["fwd_tflops"] for r in rows]) * 1e12 / GPU.peak_flops_bf16
+    best = None
+    for half in np.arange(16.0, 4096.0, 2.0):
+        sat = s / (s + half)
+        eff = float(np.exp(np.mean(np.log(f / sat))))           # closed form in log space
+        loss = float(np.mean(np.log(eff * sat / f) ** 2))
+        if best is None or loss < best[0]:
+            best = (loss, eff, float(half))
+    ratio = [r["fwd_bwd_s"] / r["fwd_s"] - 1.0 for r in rows]
+    return {"attn_eff_max": best[1], "attn_seq_half": best[2], "attn_bwd_ratio": float(np.median(ratio)),
+            "rms_log_error": float(np.sqrt(best[0]))}
+
+
+def attention_section(doc: dict) -> dict:
+    out = {}
+    for backend in sorted({r["backend"] for r in doc["attention"]}):
+        for d in (64, 128):
+            rows = [r for r in doc["attention"] if r["backend"] == backend and r["head_dim"] == d and "fwd_s" in r]
+            if rows:
+                out[f"{backend} d={d}"] = fit_attention(rows)
+    for backend in sorted({r["backend"] for r in doc["attention"]}):
+        ratio = measured_head_dim_ratio(doc, backend)
+        if ratio is not None:
+            out[f"{backend} head dim 64 / 128"] = ratio
+    out["model head dim 64 / 128"] = float(saturate(64.0, ATTN_HEAD_DIM_HALF) / saturate(128.0, ATTN_HEAD_DIM_HALF))
+    e, p = EfficiencyParams(), LITERATURE_PRIOR
+    out["model (shipped defaults)"] = {"attn_eff_max": e.attn_eff_max, "attn_seq_half": e.attn_seq_half,
+                                       "attn_bwd_ratio": e.attn_bwd_ratio}
+    out["model (literature prior)"] = {"attn_eff_max": p.attn_eff_max, "attn_seq_half": p.attn_seq_half,
+                                       "attn_bwd_ratio": p.attn_bwd_ratio}
+    return out
+
+
+def measured_head_dim_ratio(doc: dict, backend: str, min_seq: int = 4096) -> float | None:
+    """Forward+backward throughput at head dim 64 over head dim 128 (same width, causal), the median
+    over sequences >= min_seq (where the sequence term has saturated)."""
+    by = {(r["head_dim"], r["seq"]): r["fwd_bwd_tflops"] for r in doc["attention"]
+          if r["backend"] == backend and "fwd_bwd_tflops" in r and r["seq"] >= min_seq}
+    ratios = [by[(64, s)] / by[(128, s)] for (d, s) in by if d == 64 and (128, s) in by]
+    return float(np.median(ratios)) if ratios else None
+
+
+def hbm_section(doc: dict) -> dict:
+    fr = {r["kernel"]: r["tbps"] * 1e12 / GPU.hbm_bandwidth_bytes_per_s for r in doc["hbm"]}
+    return {"measured fraction of datasheet": fr, "mean": float(np.mean(list(fr.values()))),
+            "model hbm_eff (shipped)": EfficiencyParams().hbm_eff, "model hbm_eff (prior)": LITERATURE_PRIOR.hbm_eff}
+
+
+def runs_section(rows: list) -> list:
+    """Each verify run predicted now (its own problem and plan, the runner's framework) vs measured."""
+    from autotune.search import exhaustive
+    from autotune.validate import case_from_row
+    from autotune.verify import dynamic_memory_gb
+    out = []
+    e = EfficiencyParams()
+    for row in rows:
+        case = case_from_row(row)
+        best = exhaustive(case.problem, e, top_k=1, fixed=case.fixed).best
+        meas = row["measured"]
+        out.append({"id": row["id"], "model": row["model"]["name"], "plan": row["id"].split("-L")[1][:-17],
+                    "step_predicted_s": best["step_time_s"], "step_measured_s": meas["iteration_time_s"],
+                    "step_error_pct": 100 * (best["step_time_s"] / meas["iteration_time_s"] - 1),
+                    "overhead_predicted_s": best["time_breakdown_s"].get("overhead", 0.0),
+                    "recompute_predicted_s": best["time_breakdown_s"].get("recompute", 0.0),
+                    "memory_predicted_gb": dynamic_memory_gb(best, e)["total"], "memory_measured_gb": meas["memory_gb"],
+                    "memory_error_pct": 100 * (dynamic_memory_gb(best, e)["total"] / meas["memory_gb"] - 1)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--microbench", default=MICROBENCH)
+    ap.add_argument("--runs", default=RUNS)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    doc = load(args.microbench)
+    report = {"device": doc["device"], "gemm": gemm_section(doc), "attention": attention_section(doc),
+              "hbm": hbm_section(doc), "launch": doc.get("launch"), "runs": runs_section(load(args.runs))}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    dev = doc["device"]
+    print(f"{dev.get('name')} ({dev.get('sm_count')} SMs), torch {dev.get('torch')}, CUDA {dev.get('cuda')}, "
+          f"cuDNN {dev.get('cudnn')}; nvidia-smi before/after: {dev.get('nvidia_smi')} / {dev.get('nvidia_smi_after')}")
+    print("\nGEMM (bf16 x @ W^T, L2 flushed): cost model vs measured")
+    for name in ("shipped defaults", "literature prior"):
+        for sel, f in report["gemm"][name].items():
+            print(f"  {name:17s} {sel:16s} n={f['n']:3d}  MAPE {f['mape_pct']:5.1f} %  median {f['median_pct']:+6.1f} %  "
+                  f"max {f['max_abs_pct']:5.0f} %")
+    fit = report["gemm"]["fit to these measurements"]
+    ts = report["gemm"]["training shapes TFLOP/s"]
+    print(f"  fit to the measurements: gemm_eff_max {fit['gemm_eff_max']:.3f}, gemm_dim_half {fit['gemm_dim_half']:.0f}, "
+          f"kernel overhead {fit['kernel_overhead_s'] * 1e6:.2f} us  (shipped {EfficiencyParams().gemm_eff_max:.3f}, "
+          f"{EfficiencyParams().gemm_dim_half:.1f}, {EfficiencyParams().kernel_overhead_s * 1e6:.2f} us; prior "
+          f"{LITERATURE_PRIOR.gemm_eff_max}, {LITERATURE_PRIOR.gemm_dim_half:.0f}, {LITERATURE_PRIOR.kernel_overhead_s * 1e6:.0f} us)")
+    print(f"  training shapes: median {ts['median']:.0f} TFLOP/s = {ts['of MAMF (median)']:.3f} of MAMF; max {ts['max']:.0f}")
+    print("\nattention (causal SDPA, bf16): forward eff_max x s/(s + seq_half) of bf16 peak; backward / forward time")
+    for key, v in report["attention"].items():
+        if isinstance(v, dict):
+            print(f"  {key:26s} eff_max {v['attn_eff_max']:.3f}  seq_half {v['attn_seq_half']:6.0f}  bwd/fwd {v['attn_bwd_ratio']:.2f}")
+        else:
+            print(f"  {key:26s} {v:.3f}")
+    h = report["hbm"]
+    print("\nHBM: " + ", ".join(f"{k} {v:.3f}" for k, v in h["measured fraction of datasheet"].items())
+          + f" of {GPU.hbm_bandwidth_bytes_per_s / 1e12:.1f} TB/s; hbm_eff shipped {h['model hbm_eff (shipped)']:.3f}, "
+          f"prior {h['model hbm_eff (prior)']}")
+    if report["launch"]:
+        la = report["launch"]
+        print(f"launch: {la.get('graph_gpu_s_per_kernel', 0) * 1e6:.2f} us per tiny kernel in a CUDA graph, "
+              f"{la.get('eager_host_s_per_op', 0) * 1e6:.2f} us host time per eager PyTorch op")
+    print("\nverify runs (jax runner, one H200, proxies of 8-GPU plans): predicted now vs measured")
+    print(f"  {'model':18s} {'plan':42s} {'pred s':>7s} {'meas s':>7s} {'err %':>6s} {'ovh s':>6s} {'rec s':>6s} "
+          f"{'pred GB':>7s} {'meas GB':>7s} {'err %':>6s}")
+    for r in report["runs"]:
+        print(f"  {r['model'][:18]:18s} {r['plan'][:42]:42s} {r['step_predicted_s']:7.3f} {r['step_measured_s']:7.3f} "
+              f"{r['step_error_pct']:+6.1f} {r['overhead_predicted_s']:6.3f} {r['recompute_predicted_s']:6.3f} "
+              f"{r['memory_predicted_gb']:7.2f} {r['memory_measured_gb']:7.2f} {r['memory_error_pct']:+6.1f}")
+    se = np.array([r["step_error_pct"] for r in report["runs"]])
+    me = np.array([r["memory_error_pct"] for r in report["runs"]])
+    print(f"  step time MAPE {np.mean(np.abs(se)):.1f} % (max {np.max(np.abs(se)):.1f} %); "
+          f"memory MAPE {np.mean(np.abs(me)):.1f} % (max {np.max(np.abs(me)):.1f} %)")
+
+
+if __name__ == "__main__":
+    main()
