@@ -14,32 +14,33 @@ import jax.numpy as jnp
 
 class EfficiencyParams(NamedTuple):
     # --- compute ---
-    gemm_eff_max: float = 0.7943          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
-    gemm_eff_max_fp8: float = 0.9348      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
-    gemm_dim_half: float = 11.1606         # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim
-    attn_eff_max: float = 0.3060          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
+    gemm_eff_max: float = 0.8187          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
+    gemm_eff_max_fp8: float = 0.9407      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
+    gemm_dim_half: float = 46.0           # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim;
+    #                                       measured, not fitted (H200 sweep, tests/gpu/compare_h200.py)
+    attn_eff_max: float = 0.3005          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
     attn_seq_half: float = 256.0        # sequence length at which attention efficiency halves
     attn_bwd_ratio: float = 2.5         # flash-attention backward time / forward time (5 vs 2 GEMMs)
-    softmax_bytes_per_score: float = 8.4735  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
-    hbm_eff: float = 0.9275               # achieved fraction of HBM bandwidth for memory-bound kernels
-    elementwise_bytes_h: float = 6.5319   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
-    elementwise_bytes_f: float = 29.1477    # bytes moved per token per FFN unit per layer fwd (activation fn)
-    lp_cast_bytes: float = 0.4589          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
-    kernel_overhead_s: float = 5.538e-06     # launch + tail per kernel (dominates small models)
-    host_op_s: float = 5.34e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
+    softmax_bytes_per_score: float = 8.4683  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
+    hbm_eff: float = 0.9282               # achieved fraction of HBM bandwidth for memory-bound kernels
+    elementwise_bytes_h: float = 6.5048   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
+    elementwise_bytes_f: float = 29.1913    # bytes moved per token per FFN unit per layer fwd (activation fn)
+    lp_cast_bytes: float = 0.4601          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
+    kernel_overhead_s: float = 5.178e-06     # launch + tail per kernel (dominates small models)
+    host_op_s: float = 5.375e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
     # --- communication ---
-    intra_bw_eff: float = 0.9089          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
-    inter_bw_eff: float = 0.8288          # achieved NIC bandwidth fraction
-    tp_comm_overlap: float = 0.7997        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
-    dp_overlap: float = 0.3945             # fraction of DP grad reduce / param gather that may hide under compute
+    intra_bw_eff: float = 0.9069          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
+    inter_bw_eff: float = 0.8119          # achieved NIC bandwidth fraction
+    tp_comm_overlap: float = 0.7995        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
+    dp_overlap: float = 0.3980             # fraction of DP grad reduce / param gather that may hide under compute
     cp_overlap: float = 0.9             # fraction of ring-attention KV exchange hidden under attention compute
-    pp_overlap: float = 0.2215             # fraction of pipeline p2p hidden under compute
-    ep_overlap: float = 0.8477             # --overlap-moe-expert-parallel-comm: share of a merged fwd+bwd pair's compute the all-to-alls hide under
-    moe_imbalance: float = 1.2084         # busiest expert rank load / mean (force-balanced routing ~1.0)
-    step_overhead_s: float = 0.0159       # per optimizer step fixed host work (logging, grad-norm, scheduler)
-    microbatch_overhead_s: float = 0.0045 # per micro-batch host work (data, schedule bookkeeping)
-    collective_latency_s: float = 1.418e-05  # fixed launch + synchronization cost of one NCCL collective
-    zero3_bw_eff: float = 0.1074           # DeepSpeed ZeRO-3's per-module gathers: fraction of the bus bandwidth reached
+    pp_overlap: float = 0.2118             # fraction of pipeline p2p hidden under compute
+    ep_overlap: float = 0.8507             # --overlap-moe-expert-parallel-comm: share of a merged fwd+bwd pair's compute the all-to-alls hide under
+    moe_imbalance: float = 1.1901         # busiest expert rank load / mean (force-balanced routing ~1.0)
+    step_overhead_s: float = 0.0155       # per optimizer step fixed host work (logging, grad-norm, scheduler)
+    microbatch_overhead_s: float = 0.0042 # per micro-batch host work (data, schedule bookkeeping)
+    collective_latency_s: float = 1.466e-05  # fixed launch + synchronization cost of one NCCL collective
+    zero3_bw_eff: float = 0.1089           # DeepSpeed ZeRO-3's per-module gathers: fraction of the bus bandwidth reached
     # --- memory ---
     mem_fragmentation: float = 1.01     # allocator overhead on dynamic memory (expandable_segments, as NeMo recipes set)
 
@@ -94,10 +95,14 @@ def load_params_file(path: str) -> tuple[EfficiencyParams, dict]:
 #: DeepSpeed's ZeRO-3 of 2021 gathered ~21 GB/s per GPU inside one NVLink A100 node (DeepSpeed issue #1174:
 #: a 5.1B model's forward 480 ms under stage 3 vs 60 ms under stage 2, 7/8 of 10.2 GB gathered in 0.42 s),
 #: 0.095 of that node's NVLink bus bandwidth (300 GB/s x 0.75).
+#: Measured on one H200 (tests/gpu/microbench.py, tests/data/gpu/; `python tests/gpu/compare_h200.py`):
+#: bf16 x @ W^T over 224 shapes fits gemm_dim_half 46 (the literature's 48; not fitted, the same in the
+#: defaults) at 1.0 of MAMF; copy / add /
+#: fused multiply-add reach 0.87-0.93 of the datasheet HBM bandwidth (hbm_eff 0.90).
 #: Calibration starts here; cross-validation measures fits against it.
 LITERATURE_PRIOR = EfficiencyParams(
-    gemm_eff_max=0.95, gemm_eff_max_fp8=0.90, gemm_dim_half=48.0, attn_eff_max=0.55, attn_seq_half=256.0,
-    attn_bwd_ratio=2.5, softmax_bytes_per_score=13.0, hbm_eff=0.75, elementwise_bytes_h=24.0,
+    gemm_eff_max=0.95, gemm_eff_max_fp8=0.90, gemm_dim_half=46.0, attn_eff_max=0.55, attn_seq_half=256.0,
+    attn_bwd_ratio=2.5, softmax_bytes_per_score=13.0, hbm_eff=0.90, elementwise_bytes_h=24.0,
     elementwise_bytes_f=6.0, lp_cast_bytes=6.0, kernel_overhead_s=5e-6, host_op_s=2.5e-5,
     intra_bw_eff=0.75, inter_bw_eff=0.80, tp_comm_overlap=0.6, dp_overlap=0.8, cp_overlap=0.9,
     pp_overlap=0.5, ep_overlap=0.8, moe_imbalance=1.05, step_overhead_s=0.02, microbatch_overhead_s=2e-3,

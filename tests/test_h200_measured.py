@@ -1,0 +1,84 @@
+"""The cost model against what one H200 measured (tests/data/gpu/, provenance in its README.md):
+kernel micro-benchmarks (tests/gpu/microbench.py) and short jax-runner runs (tests/gpu/verify_gpu.sh).
+Golden values are the measurements; `tests/gpu/compare_h200.py` prints the same comparisons."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from costmodels.params import EfficiencyParams
+
+_SPEC = importlib.util.spec_from_file_location("compare_h200", Path(__file__).parent / "gpu" / "compare_h200.py")
+h200 = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(h200)
+
+
+@pytest.fixture(scope="module")
+def bench() -> dict:
+    return h200.load(h200.MICROBENCH)
+
+
+@pytest.fixture(scope="module")
+def runs() -> list:
+    return h200.runs_section(h200.load(h200.RUNS))
+
+
+def test_gemm_shape_law_is_the_measured_one(bench):
+    # the shipped size constant is the one the 224 measured shapes give (a fit of the model's own
+    # form: roofline max of the saturating compute term and HBM traffic, plus a kernel's fixed time)
+    m, n, k, t = h200.gemm_arrays(bench)
+    fit = h200.fit_gemm(m, n, k, t)
+    assert 0.7 < EfficiencyParams().gemm_dim_half / fit["gemm_dim_half"] < 1.4, fit
+    # at the GPU's maximum achievable matmul rate (eff_max = 1 of MAMF), the model's GEMM term with the
+    # shipped size law times the training-sized shapes within 8 % (their spread is power and tiling)
+    e = EfficiencyParams()._replace(gemm_eff_max=1.0)
+    train = h200.training_shapes(m, n, k)
+    err = h200.error_figures(h200.model_gemm_s(m, n, k, e)[train], t[train])
+    assert err["n"] >= 60 and err["mape_pct"] < 8.0, err
+
+
+def test_small_gemms_are_slower_per_flop(bench):
+    # the physics the saturating law stands for, in the measurements themselves: at fixed n and k, a
+    # GEMM with 8x fewer rows runs well below the large one's rate
+    g = {(r["m"], r["n"], r["k"]): r["bf16_tflops"] for r in bench["gemm"]}
+    for n, k in ((4096, 4096), (8192, 4096), (4096, 8192)):
+        assert g[(256, n, k)] < 0.75 * g[(2048, n, k)], (n, k)
+
+
+@pytest.mark.parametrize("backend", ["cudnn"])
+def test_attention_head_dim_rate_matches_the_measured_ratio(bench, backend):
+    # Transformer Engine's cuDNN fused attention on Hopper: head dim 64 vs 128 at the same width,
+    # forward + backward, sequences >= 4096: the model's d/(d+64) ratio (compute.ATTN_HEAD_DIM_HALF)
+    measured = h200.measured_head_dim_ratio(bench, backend)
+    model = h200.attention_section(bench)["model head dim 64 / 128"]
+    assert measured is not None and abs(measured - model) < 0.05, (measured, model)
+
+
+def test_hbm_eff_is_inside_the_measured_range(bench):
+    fr = h200.hbm_section(bench)["measured fraction of datasheet"]
+    lo, hi = min(fr.values()), max(fr.values())
+    assert 0.8 < lo <= hi < 1.0
+    assert lo - 0.03 <= EfficiencyParams().hbm_eff <= hi + 0.03, (EfficiencyParams().hbm_eff, fr)
+
+
+def test_memory_matches_the_h200_runs(runs):
+    # 17 runs of a 1.1B and an 8B-shaped stage (no / selective / full recompute, micro-batch 1-8):
+    # predicted dynamic memory vs the allocator's peak_bytes_in_use
+    err = np.array([r["memory_error_pct"] for r in runs])
+    assert len(runs) == 17
+    assert np.mean(np.abs(err)) < 5.0 and np.max(np.abs(err)) < 15.0, err
+
+
+def test_step_time_of_the_8b_stage_without_full_recompute(runs):
+    # the GEMM-dominated 8B-shaped stage (h 4096, 8 layers, seq 4096) without full recompute: within 12 %.
+    # (Not held: the 1.1B runs, 12-26 % over-predicted, and full recompute, 21-45 %. The model adds
+    # Megatron's per-step and per-micro-batch host work, which a step compiled by XLA does not have, and a
+    # whole forward pass per recomputed layer (+25-33 %) where the runs measured +7-12 %; JAX's remat skips
+    # the MLP's down projection, about a quarter of that, and the rest is not explained yet.)
+    sel = [r for r in runs if r["model"] == "llama3-8b" and "full" not in r["plan"]]
+    assert len(sel) == 3
+    for r in sel:
+        assert abs(r["step_error_pct"]) < 12.0, r
