@@ -82,3 +82,40 @@ def test_step_time_of_the_8b_stage_without_full_recompute(runs):
     assert len(sel) == 3
     for r in sel:
         assert abs(r["step_error_pct"]) < 12.0, r
+
+
+def _dot_shapes(jaxpr, out: list) -> list:
+    """(lhs shape, rhs shape) of every dot_general in a jaxpr and the jaxprs nested in its equations."""
+    from jax.extend.core import jaxprs_in_params
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append((tuple(eqn.invars[0].aval.shape), tuple(eqn.invars[1].aval.shape)))
+        for sub in jaxprs_in_params(eqn.params):
+            _dot_shapes(sub, out)
+    return out
+
+
+def test_jax_full_recompute_skips_the_mlp_down_projection():
+    # The README's account of the runner's cheap full recompute: the gradient of a remat'ed layer
+    # recomputes q, k, v, o, gate, up and the two attention products, not the down projection (its
+    # output is never read by the backward pass), so XLA's "full" is ~3/4 of a layer's forward GEMMs.
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+
+    from autotune.runner.model import Dims, init_params, reference_loss
+    dm = Dims(num_layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=704, vocab=512)
+    params = init_params(dm, jax.random.key(0))
+    tokens = jnp.zeros((2, 128), jnp.int32)
+
+    def dots(recompute):
+        grad = jax.grad(lambda p: reference_loss(p, tokens, tokens, dm, recompute=recompute))
+        return collections.Counter(_dot_shapes(jax.make_jaxpr(grad)(params).jaxpr, []))
+    extra = dots("full") - dots("none")
+    x = (2, 128, 256)
+    assert extra[(x, (256, 704))] == 2                    # gate and up recomputed
+    assert extra[(x, (256, 128))] == 2                    # k and v (2 KV heads x 64)
+    assert extra[(x, (256, 256))] == 2                    # q and the output projection
+    assert not any(rhs == (704, 256) for _, rhs in extra)  # the down projection is not
+    assert sum(extra.values()) == 8
