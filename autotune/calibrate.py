@@ -25,9 +25,10 @@ from .search import NoLegalPlan, NothingFits, exhaustive
 from .validate import case_from_row, measured_value
 
 #: parameters fitted by default: the time model's efficiencies and overheads (memory constants are
-#: not observable from throughput, so they stay at their documented values). Not gemm_dim_half: measured on a GPU (tests/gpu/compare_h200.py: 46
-#: over 224 GEMM shapes on an H200), and the public runs do not identify it (held at 46, the refit moves
-#: every source's MAPE by < 0.2 points; fitted, it drifted to 11).
+#: not observable from throughput, so they stay at their documented values). Not gemm_dim_half:
+#: measured on a GPU (tests/gpu/compare_h200.py: 46 over 224 GEMM shapes on an H200), and the public
+#: runs do not identify it (held at 46, the refit moves every source's MAPE by < 0.2 points; fitted,
+#: it drifted to 11).
 DEFAULT_FIT = (
     "gemm_eff_max", "gemm_eff_max_fp8", "attn_eff_max", "hbm_eff",
     "kernel_overhead_s", "host_op_s", "intra_bw_eff", "inter_bw_eff", "dp_overlap", "tp_comm_overlap",

@@ -116,7 +116,9 @@ def test_four_workers_share_one_study(pg, study_name):
     assert len(trials) == 48
     assert all(t.state == TrialState.COMPLETE for t in trials)
     assert sorted(t.number for t in trials) == list(range(48))
-    assert len({t._trial_id for t in trials}) == 48
+    storage = optuna.storages.get_storage(pg)
+    sid = storage.get_study_id_from_name(shared)
+    assert len({storage.get_trial_id_from_study_id_trial_number(sid, t.number) for t in trials}) == 48
     assert len({t.user_attrs["worker"] for t in trials}) == 4
 
     one = _finish(_worker(pg, single, 48))

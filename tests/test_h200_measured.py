@@ -74,7 +74,7 @@ def test_memory_matches_the_h200_runs(runs):
 
 def test_step_time_of_the_8b_stage_without_full_recompute(runs):
     # the GEMM-dominated 8B-shaped stage (h 4096, 8 layers, seq 4096) without full recompute: within 12 %.
-    # (Not held: the 1.1B runs, 12-26 % over-predicted, and full recompute, 21-45 %. The model adds
+    # (Not held: the 1.1B runs, 11-26 % over-predicted, and full recompute, 20-45 %. The model adds
     # Megatron's per-step and per-micro-batch host work, which a step compiled by XLA does not have, and a
     # whole forward pass per recomputed layer (+25-33 %) where the runs measured +7-12 %; JAX's remat skips
     # the MLP's down projection, about a quarter of that, and the rest is not explained yet.)

@@ -162,14 +162,14 @@ def runs_section(rows: list) -> list:
     for row in rows:
         case = case_from_row(row)
         best = exhaustive(case.problem, e, top_k=1, fixed=case.fixed).best
-        meas = row["measured"]
+        meas, mem = row["measured"], dynamic_memory_gb(best, e)["total"]
         out.append({"id": row["id"], "model": row["model"]["name"], "plan": row["id"].split("-L")[1][:-17],
                     "step_predicted_s": best["step_time_s"], "step_measured_s": meas["iteration_time_s"],
                     "step_error_pct": 100 * (best["step_time_s"] / meas["iteration_time_s"] - 1),
                     "overhead_predicted_s": best["time_breakdown_s"].get("overhead", 0.0),
                     "recompute_predicted_s": best["time_breakdown_s"].get("recompute", 0.0),
-                    "memory_predicted_gb": dynamic_memory_gb(best, e)["total"], "memory_measured_gb": meas["memory_gb"],
-                    "memory_error_pct": 100 * (dynamic_memory_gb(best, e)["total"] / meas["memory_gb"] - 1)})
+                    "memory_predicted_gb": mem, "memory_measured_gb": meas["memory_gb"],
+                    "memory_error_pct": 100 * (mem / meas["memory_gb"] - 1)})
     return out
 
 
