@@ -11,6 +11,10 @@ Reads the bundled measurements (tests/data/gpu/: `microbench.py` and `verify_gpu
     the measurements and the backward/forward time ratio, beside the model's constants.
   * HBM: achieved fraction of the datasheet bandwidth vs `hbm_eff`.
   * verify runs: each bundled jax-runner run, predicted now vs measured (step time and memory).
+  * MoE (`microbench_moe.py`): one MoE layer's expert GEMMs as the cost model times them (each local
+    expert's fc1 and fc2 at eff_max = 1 of MAMF, plus a kernel's overhead each) vs one batched GEMM over
+    the experts and vs a GEMM per expert; token permutation, and an eager SwiGLU, in bytes moved per
+    element at the datasheet bandwidth, beside the model's byte counts.
 """
 from __future__ import annotations
 
@@ -24,13 +28,16 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 
-from costmodels.compute import ATTN_HEAD_DIM_HALF, gemm_s, saturate  # noqa: E402
+from costmodels.compute import ATTN_HEAD_DIM_HALF, PERMUTE_BYTES_PER_H, gemm_s, saturate  # noqa: E402
 from costmodels.params import LITERATURE_PRIOR, EfficiencyParams  # noqa: E402
 from costmodels.presets import GPU_PRESETS  # noqa: E402
 
 DATA = os.path.join(ROOT, "tests", "data", "gpu")
 MICROBENCH = os.path.join(DATA, "h200_microbench.json")
 RUNS = os.path.join(DATA, "h200_verify_runs.json")
+MOE_MICROBENCH = os.path.join(DATA, "h200_microbench_moe.json")
+#: SwiGLU outputs at least this large time their bytes, not launches and host dispatch
+SWIGLU_MIN_ELEMENTS = 2.5e7
 GPU = GPU_PRESETS["h200"]
 
 
@@ -173,15 +180,67 @@ def runs_section(rows: list) -> list:
     return out
 
 
+def model_expert_gemms_s(r: dict, e: EfficiencyParams) -> float:
+    """The cost model's expert GEMMs of one MoE layer forward on the H200 preset (compute.moe_mlp_s with
+    every expert at m_e tokens), plus each GEMM kernel's overhead."""
+    m, h, fe, n = r["m_e"], r["h"], r["fe"], r["n_local"]
+    peak, bw = GPU.peak_flops_bf16 * GPU.matmul_frac_bf16, GPU.hbm_bandwidth_bytes_per_s
+    t = gemm_s(m, 2 * fe, h, peak, 2.0, bw, e.gemm_eff_max, e) + gemm_s(m, h, fe, peak, 2.0, bw, e.gemm_eff_max, e)
+    return n * (float(t) + 2.0 * e.kernel_overhead_s)
+
+
+def moe_section(doc: dict) -> dict:
+    """Model / measured time of the expert GEMMs by tokens per expert (medians over models and local
+    expert counts), at eff_max = 1 (isolated kernels, as the GEMM sweep found); bytes per element of
+    the memory-bound MoE kernels at the datasheet bandwidth."""
+    e = EfficiencyParams()._replace(gemm_eff_max=1.0)
+    by_m: dict = {}
+    for r in doc["experts"]:
+        p = model_expert_gemms_s(r, e)
+        d = by_m.setdefault(r["m_e"], {"batched": [], "per_expert": [], "fp8_over_bf16": []})
+        d["batched"].append(p / r["bmm_s"])
+        d["per_expert"].append(p / r["loop_s"])
+        if "loop_fp8_s" in r:
+            d["fp8_over_bf16"].append(r["loop_fp8_s"] / r["loop_s"])
+    gemms = {m: {k: float(np.median(v)) for k, v in d.items() if v} for m, d in sorted(by_m.items())}
+    bw = GPU.hbm_bandwidth_bytes_per_s
+    mb = doc["memory_bound"]
+
+    def per_routed(key):
+        v = [r[key] * bw / (r["tokens"] * r["top_k"] * r["h"]) for r in mb if key in r]
+        return {"median": float(np.median(v)), "min": float(min(v)), "max": float(max(v))} if v else None
+
+    # SwiGLU: forward and (forward + backward) / 3, the model's unit (backward = 2 x forward), on the
+    # shapes large enough that launch and host time do not count (>= 25 M elements of the output)
+    big = [r for r in mb if r["swiglu_tokens"] * r["fe"] >= SWIGLU_MIN_ELEMENTS]
+
+    def per_f(key, div=1.0):
+        v = [r[key] * bw / (r["swiglu_tokens"] * r["fe"]) / div for r in big if key in r]
+        return float(np.median(v)) if v else None
+    return {"expert GEMMs model / measured by m_e": gemms,
+            "permute bytes per routed token per h": {**per_routed("permute_s"), "model": PERMUTE_BYTES_PER_H / 2.0},
+            "unpermute bytes per routed token per h": {
+                "index_add_": per_routed("unpermute_s"), "scatter_add_ (Megatron-Core unfused)": per_routed("unpermute_scatter_s"),
+                "sorted gather + weighted sum": per_routed("unpermute_sorted_s"), "model": PERMUTE_BYTES_PER_H / 2.0},
+            "SwiGLU bytes per token per f": {
+                "shapes": len(big), "eager forward": per_f("swiglu_s"), "eager (fwd + bwd) / 3": per_f("swiglu_fwd_bwd_s", 3.0),
+                "compiled forward": per_f("swiglu_compiled_s"),
+                "compiled (fwd + bwd) / 3": per_f("swiglu_compiled_fwd_bwd_s", 3.0),
+                "model elementwise_bytes_f (shipped)": EfficiencyParams().elementwise_bytes_f,
+                "model elementwise_bytes_f (prior)": LITERATURE_PRIOR.elementwise_bytes_f}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--microbench", default=MICROBENCH)
     ap.add_argument("--runs", default=RUNS)
+    ap.add_argument("--moe", default=MOE_MICROBENCH)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     doc = load(args.microbench)
     report = {"device": doc["device"], "gemm": gemm_section(doc), "attention": attention_section(doc),
-              "hbm": hbm_section(doc), "launch": doc.get("launch"), "runs": runs_section(load(args.runs))}
+              "hbm": hbm_section(doc), "launch": doc.get("launch"), "runs": runs_section(load(args.runs)),
+              "moe": moe_section(load(args.moe))}
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -225,7 +284,21 @@ def main() -> None:
     me = np.array([r["memory_error_pct"] for r in report["runs"]])
     print(f"  step time MAPE {np.mean(np.abs(se)):.1f} % (max {np.max(np.abs(se)):.1f} %); "
           f"memory MAPE {np.mean(np.abs(me)):.1f} % (max {np.max(np.abs(me)):.1f} %)")
-
+    mo = report["moe"]
+    print("\nMoE expert GEMMs (bf16, one layer forward): cost model at eff_max 1 / measured, median over 5 models x 1-32 local experts")
+    for m_e, v in mo["expert GEMMs model / measured by m_e"].items():
+        print(f"  m_e {m_e:5d} tokens per expert: vs one batched GEMM {v['batched']:.2f}, vs a GEMM per expert "
+              f"{v['per_expert']:.2f}; fp8 / bf16 time (per expert) {v.get('fp8_over_bf16', float('nan')):.2f}")
+    pb, ub, sw = (mo["permute bytes per routed token per h"], mo["unpermute bytes per routed token per h"],
+                  mo["SwiGLU bytes per token per f"])
+    print(f"  permute (gather into expert order): {pb['median']:.1f} B per routed token per h ({pb['min']:.1f}-{pb['max']:.1f}); "
+          f"model {pb['model']:.0f}")
+    print("  unpermute, B per routed token per h: " + ", ".join(f"{k} {v['median']:.1f}" for k, v in ub.items() if isinstance(v, dict))
+          + f"; model {ub['model']:.0f}")
+    print(f"  SwiGLU over {sw['shapes']} large shapes, B per token per f: eager forward {sw['eager forward']:.1f}, "
+          f"(fwd + bwd) / 3 {sw['eager (fwd + bwd) / 3']:.1f}; compiled forward {sw['compiled forward']:.1f}, "
+          f"(fwd + bwd) / 3 {sw['compiled (fwd + bwd) / 3']:.1f}; model elementwise_bytes_f "
+          f"{sw['model elementwise_bytes_f (shipped)']:.1f} (prior {sw['model elementwise_bytes_f (prior)']:.1f})")
 
 if __name__ == "__main__":
     main()
