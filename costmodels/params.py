@@ -24,7 +24,8 @@ class EfficiencyParams(NamedTuple):
     softmax_bytes_per_score: float = 8.4683  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
     hbm_eff: float = 0.9282               # achieved fraction of HBM bandwidth for memory-bound kernels
     elementwise_bytes_h: float = 6.5048   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
-    elementwise_bytes_f: float = 29.1913    # bytes moved per token per FFN unit per layer fwd (activation fn)
+    elementwise_bytes_f: float = 29.1913    # bytes moved per token per FFN unit per layer fwd (activation fn;
+    #                                         H200: compiled SwiGLU 28.8, tests/gpu/compare_h200.py)
     lp_cast_bytes: float = 0.4601          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
     kernel_overhead_s: float = 5.178e-06     # launch + tail per kernel (dominates small models)
     host_op_s: float = 5.375e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
@@ -98,12 +99,15 @@ def load_params_file(path: str) -> tuple[EfficiencyParams, dict]:
 #: Measured on one H200 (tests/gpu/microbench.py, tests/data/gpu/; `python tests/gpu/compare_h200.py`):
 #: bf16 x @ W^T over 224 shapes fits gemm_dim_half 46 (the literature's 48; not fitted, the same in the
 #: defaults) at 1.0 of MAMF; copy / add /
-#: fused multiply-add reach 0.87-0.93 of the datasheet HBM bandwidth (hbm_eff 0.90).
+#: fused multiply-add reach 0.87-0.93 of the datasheet HBM bandwidth (hbm_eff 0.90). SwiGLU forward +
+#: backward, compiled as Megatron-Core's jit_fuser does, moves the equivalent of 28.8 B per token per FFN
+#: unit per forward at that bandwidth (tests/gpu/microbench_moe.py; an ideal fused kernel's byte count,
+#: the earlier prior, is 6: read 2f, write f).
 #: Calibration starts here; cross-validation measures fits against it.
 LITERATURE_PRIOR = EfficiencyParams(
     gemm_eff_max=0.95, gemm_eff_max_fp8=0.90, gemm_dim_half=46.0, attn_eff_max=0.55, attn_seq_half=256.0,
     attn_bwd_ratio=2.5, softmax_bytes_per_score=13.0, hbm_eff=0.90, elementwise_bytes_h=24.0,
-    elementwise_bytes_f=6.0, lp_cast_bytes=6.0, kernel_overhead_s=5e-6, host_op_s=2.5e-5,
+    elementwise_bytes_f=28.8, lp_cast_bytes=6.0, kernel_overhead_s=5e-6, host_op_s=2.5e-5,
     intra_bw_eff=0.75, inter_bw_eff=0.80, tp_comm_overlap=0.6, dp_overlap=0.8, cp_overlap=0.9,
     pp_overlap=0.5, ep_overlap=0.8, moe_imbalance=1.05, step_overhead_s=0.02, microbatch_overhead_s=2e-3,
     collective_latency_s=1.5e-5, zero3_bw_eff=0.095,
