@@ -183,6 +183,8 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     a += ["--attention-backend", fw.attention_backend.value]
     if problem.model.is_moe:
         a += ["--moe-token-dispatcher-type", fw.moe_token_dispatcher_type.value]
+        if fw.moe_permute_fusion:        # Megatron's default is off (unfused: FrameworkSpec.moe_permute_fusion)
+            a += ["--moe-permute-fusion"]
     if fw.overlap_moe_expert_parallel_comm:
         a += ["--overlap-moe-expert-parallel-comm"]
     if fw.cuda_graph_impl is not CudaGraphImpl.NONE:
@@ -419,7 +421,8 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
          ("model.context_parallel_size", plan.cp), ("model.sequence_parallel", plan.sp)]
     if problem.model.is_moe:
         o += [("model.expert_model_parallel_size", plan.ep), ("model.expert_tensor_parallel_size", plan.etp),
-              ("model.moe_token_dispatcher_type", fw.moe_token_dispatcher_type.value)]
+              ("model.moe_token_dispatcher_type", fw.moe_token_dispatcher_type.value),
+              ("model.moe_permute_fusion", fw.moe_permute_fusion)]
     if plan.layout:
         o += [("model.pipeline_model_parallel_layout", plan.layout)]
     else:

@@ -50,7 +50,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    cuda_graph_modules: list | tuple | str | None = None,
                    overlap_moe_expert_parallel_comm: bool | None = None,
                    gradient_accumulation_fusion: bool | None = None,
-                   async_tensor_model_parallel_allreduce: bool | None = None) -> FrameworkSpec:
+                   async_tensor_model_parallel_allreduce: bool | None = None,
+                   moe_permute_fusion: bool | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
@@ -59,7 +60,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                                    moe_expert_capacity_factor=moe_expert_capacity_factor,
                                    overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                                    gradient_accumulation_fusion=gradient_accumulation_fusion,
-                                   async_tensor_model_parallel_allreduce=async_tensor_model_parallel_allreduce).items()
+                                   async_tensor_model_parallel_allreduce=async_tensor_model_parallel_allreduce,
+                                   moe_permute_fusion=moe_permute_fusion).items()
              if v is not None}
     if framework is not None:
         given["framework"] = Framework.parse(framework)

@@ -51,7 +51,9 @@ def megatron_framework(problem: Problem) -> dict:
             "overlap_param_gather": fw.overlap_param_gather,
             "moe_token_dispatcher_type": fw.moe_token_dispatcher_type.value,
             "cuda_graph_impl": fw.cuda_graph_impl.value, "cuda_graph_modules": [m.value for m in fw.cuda_graph_modules],
-            "overlap_moe_expert_parallel_comm": fw.overlap_moe_expert_parallel_comm}
+            "overlap_moe_expert_parallel_comm": fw.overlap_moe_expert_parallel_comm,
+            "gradient_accumulation_fusion": fw.gradient_accumulation_fusion,
+            "moe_permute_fusion": fw.moe_permute_fusion}
 
 
 def log_measurement(log_path: str, warmup: int) -> tuple[Measured, dict]:

@@ -17,7 +17,7 @@ from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, P
                          IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
-                         CudaGraphImplOpt,
+                         MoePermuteFusionOpt, CudaGraphImplOpt,
                          CudaGraphModulesOpt, framework_options)
 from costmodels.specs import SpecError
 
@@ -56,6 +56,7 @@ def explain(
     overlap_grad_reduce: OverlapGradReduceOpt = None,
     overlap_param_gather: OverlapParamGatherOpt = None,
     gradient_accumulation_fusion: GradAccFusionOpt = None,
+    moe_permute_fusion: MoePermuteFusionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -76,7 +77,8 @@ def explain(
                                                             moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                            overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                           gradient_accumulation_fusion=gradient_accumulation_fusion))
+                           gradient_accumulation_fusion=gradient_accumulation_fusion,
+                           moe_permute_fusion=moe_permute_fusion))
     params, _ = api.load_params(calibration, problem.cluster.gpu.name)
     if plan:
         the_plan = api.plan_from_text(plan, problem)
@@ -220,6 +222,7 @@ def whatif(
     overlap_grad_reduce: OverlapGradReduceOpt = None,
     overlap_param_gather: OverlapParamGatherOpt = None,
     gradient_accumulation_fusion: GradAccFusionOpt = None,
+    moe_permute_fusion: MoePermuteFusionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -239,7 +242,8 @@ def whatif(
                            moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                            overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                           gradient_accumulation_fusion=gradient_accumulation_fusion)
+                           gradient_accumulation_fusion=gradient_accumulation_fusion,
+                           moe_permute_fusion=moe_permute_fusion)
     rows = []
     for g in gpu:
         for bw in list(inter_node_bw or []) or [None]:

@@ -19,7 +19,7 @@ from rich.text import Text
 from cli.common import print_json as _print_json, stdout_console as _console
 from cli.options import (AttentionBackendOpt, CalibrationOpt, ClusterOpt, CudaGraphImplOpt, CudaGraphModulesOpt,
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
-                         Fp8ParamGatherOpt,
+                         MoePermuteFusionOpt, Fp8ParamGatherOpt,
                          FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt, GpusPerNodeOpt, GradReduceBf16Opt, InterBwOpt,
                          IntraBwOpt, JsonOpt, MemLimitOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
                          framework_options)
@@ -148,6 +148,7 @@ def export_cmd(
     overlap_grad_reduce: OverlapGradReduceOpt = None,
     overlap_param_gather: OverlapParamGatherOpt = None,
     gradient_accumulation_fusion: GradAccFusionOpt = None,
+    moe_permute_fusion: MoePermuteFusionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     as_json: JsonOpt = False,
@@ -161,7 +162,8 @@ def export_cmd(
                                    fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                            overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                           gradient_accumulation_fusion=gradient_accumulation_fusion), top)
+                           gradient_accumulation_fusion=gradient_accumulation_fusion,
+                           moe_permute_fusion=moe_permute_fusion), top)
     exported = [export(target, p, problem) for p in plans]      # any refusal stops before writing
     paths = []
     if out:

@@ -24,7 +24,7 @@ from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineError
 from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
-    OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
+    OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options,
 )
@@ -175,6 +175,7 @@ def search(
     overlap_grad_reduce: OverlapGradReduceOpt = None,
     overlap_param_gather: OverlapParamGatherOpt = None,
     gradient_accumulation_fusion: GradAccFusionOpt = None,
+    moe_permute_fusion: MoePermuteFusionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
@@ -192,7 +193,8 @@ def search(
                            moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                            overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                           gradient_accumulation_fusion=gradient_accumulation_fusion)
+                           gradient_accumulation_fusion=gradient_accumulation_fusion,
+                           moe_permute_fusion=moe_permute_fusion)
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
@@ -334,6 +336,7 @@ def predict(
     overlap_grad_reduce: OverlapGradReduceOpt = None,
     overlap_param_gather: OverlapParamGatherOpt = None,
     gradient_accumulation_fusion: GradAccFusionOpt = None,
+    moe_permute_fusion: MoePermuteFusionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -347,7 +350,8 @@ def predict(
                                                                  moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
                            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                            overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                           gradient_accumulation_fusion=gradient_accumulation_fusion))
+                           gradient_accumulation_fusion=gradient_accumulation_fusion,
+                           moe_permute_fusion=moe_permute_fusion))
     the_plan = plan_from_text(plan, problem)
     from autotune import api                          # JAX: only once the problem and the plan are checked
     from autotune.report import plan_text, problem_dict

@@ -39,6 +39,12 @@ KERNELS_PER_LOCAL_EXPERT_LOW_PRECISION = 2.0
 #: bytes per routed token per hidden unit for (un)permuting tokens: read + write, to and from the
 #: expert order, bf16 (Megatron-Core moe_utils.permute / unpermute)
 PERMUTE_BYTES_PER_H = 4.0 * 2.0
+#: the same without --moe-permute-fusion, per routed token per hidden unit per forward (the model's
+#: backward is 2x forward, so a third of forward + backward): moe_utils.permute's index_select (4.7 B
+#: measured) and unpermute's weight-multiply + zeros + scatter_add_ (29.7 B) forward, a gather (4.7 B)
+#: and an atomic index_add_ (50.7 B) backward, measured on an H200 (tests/data/gpu/h200_microbench_moe.json,
+#: medians over five MoE models' shapes; `python tests/gpu/compare_h200.py`): (4.7+29.7+4.7+50.7)/3
+UNFUSED_PERMUTE_BYTES_PER_H = 29.9
 #: bytes per token per expert of the router: logits, softmax and top-k over E experts (fp32 read
 #: and write), bf16 elements
 ROUTER_BYTES_PER_EXPERT = 4.0 * 2.0
@@ -236,7 +242,8 @@ def elementwise_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     attn = (Te * h * e.elementwise_bytes_h + lp * (Te * h + T * M["attn_out_k"] / tp)) / bw
     dense = (T * f / tp * e.elementwise_bytes_f + lp * (Te * h + T * f / tp)) / bw
     moe = (routed * fe * e.elementwise_bytes_f + T / tp * sf * e.elementwise_bytes_f
-           + PERMUTE_BYTES_PER_H * routed * h + ROUTER_BYTES_PER_EXPERT * T / tp * M["experts"]
+           + jnp.where(J["permute_fusion"] > 0, PERMUTE_BYTES_PER_H, UNFUSED_PERMUTE_BYTES_PER_H) * routed * h
+           + ROUTER_BYTES_PER_EXPERT * T / tp * M["experts"]
            + lp * (2.0 * routed * h + routed * fe)) / bw
     return attn, dense, moe
 

@@ -135,6 +135,7 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         moe_capacity=float(j.framework.moe_expert_capacity_factor),
         fp8_param=float(j.framework.fp8_param_gather),
         ep_a2a_overlap=float(j.framework.overlap_moe_expert_parallel_comm),
+        permute_fusion=float(j.framework.moe_permute_fusion),
         flex_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.FLEX),
         allgather_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.ALLGATHER),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,

@@ -514,6 +514,12 @@ class FrameworkSpec:
     # the forward of one micro-batch and the backward of another are merged layer by layer, so each one's
     # EP all-to-alls run under the other's compute. Off by default
     overlap_moe_expert_parallel_comm: bool = False
+    # --moe-permute-fusion (transformer_config.py; Megatron-Core's default off, TE >= 2.1): Transformer
+    # Engine's fused kernels put routed tokens into expert order and back. Unfused, moe_utils.permute
+    # gathers with index_select (its backward an atomic index_add_) and unpermute scatter_add_s the
+    # weighted expert outputs back (its backward a gather). On here: the NeMo / Megatron-Bridge MoE
+    # providers set it (Qwen3, GPT-OSS, DeepSeek), and the exporter emits it
+    moe_permute_fusion: bool = True
 
     def __post_init__(self):
         cf = self.moe_expert_capacity_factor
@@ -522,7 +528,7 @@ class FrameworkSpec:
         self._check_cuda_graphs()
         for f in ("tp_comm_overlap", "grad_reduce_in_fp32", "fp8_param_gather", "overlap_grad_reduce",
                   "overlap_param_gather", "microbatch_grad_buffer", "overlap_moe_expert_parallel_comm",
-                  "gradient_accumulation_fusion", "async_tensor_model_parallel_allreduce"):
+                  "gradient_accumulation_fusion", "async_tensor_model_parallel_allreduce", "moe_permute_fusion"):
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
         if self.overlap_moe_expert_parallel_comm:
