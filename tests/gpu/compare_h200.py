@@ -15,6 +15,8 @@ Reads the bundled measurements (tests/data/gpu/: `microbench.py` and `verify_gpu
     expert's fc1 and fc2 at eff_max = 1 of MAMF, plus a kernel's overhead each) vs one batched GEMM over
     the experts and vs a GEMM per expert; token permutation, and an eager SwiGLU, in bytes moved per
     element at the datasheet bandwidth, beside the model's byte counts.
+  * activations (`microbench_activation.py`): SwiGLU, GeLU and squared ReLU forward + backward in bytes
+    per token per FFN unit per forward-equivalent, beside `elementwise_bytes_f`.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ DATA = os.path.join(ROOT, "tests", "data", "gpu")
 MICROBENCH = os.path.join(DATA, "h200_microbench.json")
 RUNS = os.path.join(DATA, "h200_verify_runs.json")
 MOE_MICROBENCH = os.path.join(DATA, "h200_microbench_moe.json")
+ACTIVATION = os.path.join(DATA, "h200_microbench_activation.json")
 #: SwiGLU outputs at least this large time their bytes, not launches and host dispatch
 SWIGLU_MIN_ELEMENTS = 2.5e7
 GPU = GPU_PRESETS["h200"]
@@ -230,17 +233,35 @@ def moe_section(doc: dict) -> dict:
                 "model elementwise_bytes_f (prior)": LITERATURE_PRIOR.elementwise_bytes_f}}
 
 
+def activation_section(doc: dict) -> dict:
+    """Per activation: median over the shapes of (forward + backward) / 3 and forward alone, bytes per token
+    per FFN unit at the datasheet bandwidth, eager and compiled."""
+    bw = GPU.hbm_bandwidth_bytes_per_s
+    out = {}
+    for name in sorted({r["activation"] for r in doc["activation"]}):
+        rows = [r for r in doc["activation"] if r["activation"] == name]
+        out[name] = {}
+        for kind in ("eager", "compiled"):
+            fb = [r[f"{kind}_fwd_bwd_s"] * bw / (r["tokens"] * r["ffn"]) / 3.0 for r in rows if f"{kind}_fwd_bwd_s" in r]
+            fw = [r[f"{kind}_fwd_s"] * bw / (r["tokens"] * r["ffn"]) for r in rows if f"{kind}_fwd_s" in r]
+            if fb:
+                out[name][kind] = {"(fwd + bwd) / 3": float(np.median(fb)), "fwd": float(np.median(fw))}
+    out["model elementwise_bytes_f (shipped)"] = EfficiencyParams().elementwise_bytes_f
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--microbench", default=MICROBENCH)
     ap.add_argument("--runs", default=RUNS)
     ap.add_argument("--moe", default=MOE_MICROBENCH)
+    ap.add_argument("--activation", default=ACTIVATION)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     doc = load(args.microbench)
     report = {"device": doc["device"], "gemm": gemm_section(doc), "attention": attention_section(doc),
               "hbm": hbm_section(doc), "launch": doc.get("launch"), "runs": runs_section(load(args.runs)),
-              "moe": moe_section(load(args.moe))}
+              "moe": moe_section(load(args.moe)), "activation": activation_section(load(args.activation))}
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -299,6 +320,12 @@ def main() -> None:
           f"(fwd + bwd) / 3 {sw['eager (fwd + bwd) / 3']:.1f}; compiled forward {sw['compiled forward']:.1f}, "
           f"(fwd + bwd) / 3 {sw['compiled (fwd + bwd) / 3']:.1f}; model elementwise_bytes_f "
           f"{sw['model elementwise_bytes_f (shipped)']:.1f} (prior {sw['model elementwise_bytes_f (prior)']:.1f})")
+    act = report["activation"]
+    print("\nMLP activations (bf16, 4 shapes): B per token per FFN unit, (fwd + bwd) / 3 [fwd], eager | compiled")
+    for name, v in act.items():
+        if isinstance(v, dict):
+            print(f"  {name:13s} " + " | ".join(f"{k} {x['(fwd + bwd) / 3']:5.1f} [{x['fwd']:4.1f}]" for k, x in v.items()))
+    print(f"  model elementwise_bytes_f {act['model elementwise_bytes_f (shipped)']:.1f} for every activation")
 
 if __name__ == "__main__":
     main()
