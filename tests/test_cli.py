@@ -63,7 +63,8 @@ FRAMEWORK_OPTIONS = {"--framework", "--attention-backend", "--tp-comm-overlap", 
                      "--grad-reduce-in-bf16", "--grad-reduce-in-fp32", "--fp8-param-gather", "--no-fp8-param-gather",
                      "--moe-token-dispatcher-type", "--overlap-moe-expert-parallel-comm", "--no-overlap-moe-expert-parallel-comm", "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-scope",
                      "--overlap-grad-reduce", "--no-overlap-grad-reduce", "--overlap-param-gather",
-                     "--no-overlap-param-gather", "--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"}
+                     "--no-overlap-param-gather", "--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion",
+                     "--moe-permute-fusion", "--no-moe-permute-fusion"}
 SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
