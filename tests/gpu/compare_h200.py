@@ -17,6 +17,8 @@ Reads the bundled measurements (tests/data/gpu/: `microbench.py` and `verify_gpu
     element at the datasheet bandwidth, beside the model's byte counts.
   * activations (`microbench_activation.py`): SwiGLU, GeLU and squared ReLU forward + backward in bytes
     per token per FFN unit per forward-equivalent, beside `elementwise_bytes_f`.
+  * a layer's other memory-bound work (`microbench_layer_elementwise.py`): norms, rope, residual adds and
+    their chain, bytes per token per hidden unit per forward-equivalent, beside `elementwise_bytes_h`.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ MICROBENCH = os.path.join(DATA, "h200_microbench.json")
 RUNS = os.path.join(DATA, "h200_verify_runs.json")
 MOE_MICROBENCH = os.path.join(DATA, "h200_microbench_moe.json")
 ACTIVATION = os.path.join(DATA, "h200_microbench_activation.json")
+LAYER_ELEMENTWISE = os.path.join(DATA, "h200_microbench_layer_elementwise.json")
 #: SwiGLU outputs at least this large time their bytes, not launches and host dispatch
 SWIGLU_MIN_ELEMENTS = 2.5e7
 GPU = GPU_PRESETS["h200"]
@@ -250,18 +253,36 @@ def activation_section(doc: dict) -> dict:
     return out
 
 
+def layer_elementwise_section(doc: dict) -> dict:
+    """Per kernel (and the whole chain, `layer`): median over the shapes of (forward + backward) / 3 and of
+    the forward, bytes per token per hidden unit at the datasheet bandwidth, eager and compiled."""
+    bw = GPU.hbm_bandwidth_bytes_per_s
+    out = {}
+    for name in ("norm_rms", "norm_ln", "rope", "residual", "layer"):
+        rows = [r for r in doc["layer_elementwise"] if r["kernel"] == name]
+        out[name] = {kind: {"(fwd + bwd) / 3": float(np.median([r[f"{kind}_fwd_bwd_s"] * bw / (r["tokens"] * r["hidden"]) / 3
+                                                             for r in rows])),
+                            "fwd": float(np.median([r[f"{kind}_fwd_s"] * bw / (r["tokens"] * r["hidden"]) for r in rows]))}
+                     for kind in ("eager", "compiled") if all(f"{kind}_fwd_bwd_s" in r for r in rows)}
+    out["model elementwise_bytes_h (shipped)"] = EfficiencyParams().elementwise_bytes_h
+    out["model elementwise_bytes_h (prior)"] = LITERATURE_PRIOR.elementwise_bytes_h
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--microbench", default=MICROBENCH)
     ap.add_argument("--runs", default=RUNS)
     ap.add_argument("--moe", default=MOE_MICROBENCH)
     ap.add_argument("--activation", default=ACTIVATION)
+    ap.add_argument("--layer-elementwise", default=LAYER_ELEMENTWISE)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     doc = load(args.microbench)
     report = {"device": doc["device"], "gemm": gemm_section(doc), "attention": attention_section(doc),
               "hbm": hbm_section(doc), "launch": doc.get("launch"), "runs": runs_section(load(args.runs)),
-              "moe": moe_section(load(args.moe)), "activation": activation_section(load(args.activation))}
+              "moe": moe_section(load(args.moe)), "activation": activation_section(load(args.activation)),
+              "layer elementwise": layer_elementwise_section(load(args.layer_elementwise))}
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -326,6 +347,12 @@ def main() -> None:
         if isinstance(v, dict):
             print(f"  {name:13s} " + " | ".join(f"{k} {x['(fwd + bwd) / 3']:5.1f} [{x['fwd']:4.1f}]" for k, x in v.items()))
     print(f"  model elementwise_bytes_f {act['model elementwise_bytes_f (shipped)']:.1f} for every activation")
+    le = report["layer elementwise"]
+    print("\nA layer's norms, rope and residual adds (bf16, 4 shapes): B per token per hidden unit, (fwd + bwd) / 3 [fwd]")
+    for name, v in le.items():
+        if isinstance(v, dict):
+            print(f"  {name:9s} " + " | ".join(f"{k} {x['(fwd + bwd) / 3']:6.1f} [{x['fwd']:5.1f}]" for k, x in v.items()))
+    print(f"  model elementwise_bytes_h {le['model elementwise_bytes_h (shipped)']:.1f} (prior {le['model elementwise_bytes_h (prior)']:.0f})")
 
 if __name__ == "__main__":
     main()
