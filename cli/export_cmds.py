@@ -267,13 +267,32 @@ def launch_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the commands, run nothing.")] = False,
     log: Annotated[Optional[str], typer.Option("--log", help="Where the run's log goes.")] = None,
     out: Annotated[Optional[str], typer.Option("--out", help="Write the measurement record (JSON list) here.")] = None,
+    framework: FrameworkOpt = None,
+    attention_backend: AttentionBackendOpt = None,
+    tp_comm_overlap: TpCommOverlapOpt = None,
+    grad_reduce_in_bf16: GradReduceBf16Opt = None,
+    fp8_param_gather: Fp8ParamGatherOpt = None,
+    moe_token_dispatcher_type: DispatcherOpt = None,
+    overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
+    overlap_grad_reduce: OverlapGradReduceOpt = None,
+    overlap_param_gather: OverlapParamGatherOpt = None,
+    gradient_accumulation_fusion: GradAccFusionOpt = None,
+    moe_permute_fusion: MoePermuteFusionOpt = None,
+    cuda_graph_impl: CudaGraphImplOpt = None,
+    cuda_graph_modules: CudaGraphModulesOpt = None,
     as_json: JsonOpt = False,
 ) -> int:
     """Run a plan with Megatron-LM for a few iterations (torchrun or SLURM) and record the measurement."""
     from autotune import api
     from autotune.launch import megatron_launch
+    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16,
+                                   fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
+                                   overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                                   overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                                   gradient_accumulation_fusion=gradient_accumulation_fusion,
+                                   moe_permute_fusion=moe_permute_fusion)
     problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
-                                precision=precision, gpus_per_node=gpus_per_node, cluster_file=cluster)
+                                precision=precision, gpus_per_node=gpus_per_node, cluster_file=cluster, framework=fw)
     the_plan = api.plan_from_text(plan, problem)
     res = megatron_launch(the_plan, problem, megatron_path, launcher=launcher, train_iters=train_iters,
                           dry_run=dry_run, log_path=log)

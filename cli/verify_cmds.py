@@ -17,8 +17,11 @@ from rich.text import Text
 
 from costmodels.specs import SpecError
 
-from cli.options import (CalibrationOpt, GlobalBatchOpt, GpuOpt, GpusOpt, JsonOpt, ModelOpt, PrecisionOpt,
-                         SeqLenOpt)
+from cli.options import (AttentionBackendOpt, CalibrationOpt, CudaGraphImplOpt, CudaGraphModulesOpt, DispatcherOpt,
+                         EpOverlapOpt, Fp8ParamGatherOpt, FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt,
+                         GradAccFusionOpt, GradReduceBf16Opt, JsonOpt, ModelOpt, MoePermuteFusionOpt,
+                         OverlapGradReduceOpt, OverlapParamGatherOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
+                         framework_options)
 
 EXIT_OK, EXIT_OOM, EXIT_INTERRUPTED = 0, 3, 130
 #: autotune.verify.RUNNERS, spelled here so that checking the flags imports no JAX (tests check they agree)
@@ -125,13 +128,36 @@ def verify(
     megatron_path: MegatronPathOpt = None,
     launcher: LauncherOpt = "torchrun",
     dry_run: DryRunOpt = False,
+    framework: FrameworkOpt = None,
+    attention_backend: AttentionBackendOpt = None,
+    tp_comm_overlap: TpCommOverlapOpt = None,
+    grad_reduce_in_bf16: GradReduceBf16Opt = None,
+    fp8_param_gather: Fp8ParamGatherOpt = None,
+    moe_token_dispatcher_type: DispatcherOpt = None,
+    overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
+    overlap_grad_reduce: OverlapGradReduceOpt = None,
+    overlap_param_gather: OverlapParamGatherOpt = None,
+    gradient_accumulation_fusion: GradAccFusionOpt = None,
+    moe_permute_fusion: MoePermuteFusionOpt = None,
+    cuda_graph_impl: CudaGraphImplOpt = None,
+    cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
     """Run a plan for a few steps with a real runner; print predicted vs measured; save the record."""
     from autotune import api
     from autotune.verify import plan_slug, verify_plan
     megatron = megatron_options(runner, megatron_path, launcher, dry_run, out)
+    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16,
+                                   fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
+                                   overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                                   overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                                   gradient_accumulation_fusion=gradient_accumulation_fusion,
+                                   moe_permute_fusion=moe_permute_fusion)
+    given = [k for k, v in fw.items() if v is not None]
+    if given and runner != "megatron":
+        raise SpecError(f"--{given[0].replace('_', '-')}", "applies to --runner megatron (the jax runner runs its "
+                        "own framework: autotune.verify.RUN_FRAMEWORK)")
     problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
-                                precision=precision)
+                                precision=precision, framework=fw)
     params, _ = api.load_params(calibration, problem.cluster.gpu.name)
     the_plan = api.plan_from_text(plan, problem)
     con = _console(as_json)

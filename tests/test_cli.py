@@ -92,13 +92,14 @@ SURFACE = {
               "--gpus-per-node", "--cluster", "--max-memory-frac", "--min-mfu", "--baseline", "--max-regression",
               "--memory-limit-gb", "--memory-limit", "--calibration", "--json"},
     "launch": {"--plan", "--model", "--megatron-path", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision",
-               "--gpus-per-node", "--cluster", "--launcher", "--train-iters", "--dry-run", "--log", "--out", "--json"},
+               "--gpus-per-node", "--cluster", "--launcher", "--train-iters", "--dry-run", "--log", "--out", "--json"}
+    | FRAMEWORK_OPTIONS,
     "models": {"--json"},
     "gpus": {"--json"},
     "clusters": {"--json"},
     "verify": {"--model", "--plan", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision", "--steps",
                "--warmup", "--runner", "--proxy", "--layers", "--out", "--no-save", "--json", "--calibration",
-               "--megatron-path", "--launcher", "--dry-run"},
+               "--megatron-path", "--launcher", "--dry-run"} | FRAMEWORK_OPTIONS,
 }
 
 

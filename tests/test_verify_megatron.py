@@ -67,6 +67,32 @@ def test_dry_run_prints_the_exported_command_of_a_tp_pp_vpp_ep_plan():
     assert os.path.isabs(out["job"]["log_path"])         # SLURM writes --output relative to the checkout
 
 
+@pytest.mark.parametrize("command", ["verify", "launch"])
+def test_framework_options_reach_the_launched_command(command):
+    # what search / predict / export take, verify --runner megatron and launch take too: the command runs
+    # the framework the prediction assumed
+    base = [command, "--model", "mixtral-8x7b", "--gpu", "h100", "--gpus", "64", "--global-batch", "256",
+            "--seq-len", "4096", "--plan", "tp=2,pp=4,vpp=2,ep=8,mbs=1,sp=true,zero=1", "--megatron-path",
+            "/opt/Megatron-LM", "--dry-run"] + (["--runner", "megatron", "--no-save"] if command == "verify" else [])
+    plain = runner.invoke(app, base)
+    assert plain.exit_code == 0, plain.stderr
+    assert "--moe-permute-fusion" in plain.stdout and "--tp-comm-overlap" not in plain.stdout
+    res = runner.invoke(app, base + ["--moe-token-dispatcher-type", "flex", "--no-moe-permute-fusion",
+                                     "--tp-comm-overlap", "--cuda-graph-impl", "transformer_engine",
+                                     "--cuda-graph-modules", "attn"])
+    assert res.exit_code == 0, res.stderr
+    line = res.stdout
+    for flag in ("--moe-token-dispatcher-type flex", "--tp-comm-overlap", "--cuda-graph-impl transformer_engine",
+                 "--cuda-graph-modules attn"):
+        assert flag in line, flag
+    assert "--moe-permute-fusion" not in line
+
+
+def test_framework_options_are_refused_with_the_jax_runner():
+    one_line_error(runner.invoke(app, ["verify", *SMALL, "--plan", "tp=2", "--no-save", "--tp-comm-overlap"]), 2,
+                   "--tp-comm-overlap", "--runner megatron")
+
+
 def test_a_run_on_a_checkout_is_parsed_into_a_measurement_record(checkout, tmp_path):
     res = runner.invoke(app, ["verify", *SMALL, "--plan", "tp=2,pp=2,mbs=1,recompute=selective", "--steps", "3",
                               "--runner", "megatron", "--megatron-path", checkout, "--json", "--out", "meas"])
