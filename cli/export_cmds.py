@@ -207,6 +207,19 @@ def check_cmd(
     max_regression: Annotated[str, typer.Option("--max-regression", help="Largest throughput loss vs --baseline: 3% or 0.03.")] = "3%",
     memory_limit_gb: MemLimitOpt = None,
     calibration: CalibrationOpt = None,
+    framework: FrameworkOpt = None,
+    attention_backend: AttentionBackendOpt = None,
+    tp_comm_overlap: TpCommOverlapOpt = None,
+    grad_reduce_in_bf16: GradReduceBf16Opt = None,
+    fp8_param_gather: Fp8ParamGatherOpt = None,
+    moe_token_dispatcher_type: DispatcherOpt = None,
+    overlap_moe_expert_parallel_comm: EpOverlapOpt = None,
+    overlap_grad_reduce: OverlapGradReduceOpt = None,
+    overlap_param_gather: OverlapParamGatherOpt = None,
+    gradient_accumulation_fusion: GradAccFusionOpt = None,
+    moe_permute_fusion: MoePermuteFusionOpt = None,
+    cuda_graph_impl: CudaGraphImplOpt = None,
+    cuda_graph_modules: CudaGraphModulesOpt = None,
     as_json: JsonOpt = False,
 ) -> int:
     """CI gate: exit 0 when the plan fits under --max-memory-frac (and --min-mfu, --baseline hold), 1 when one fails."""
@@ -216,9 +229,16 @@ def check_cmd(
     from autotune.saved import read_report, report_plans
     regression = parse_fraction(max_regression, "max-regression")
     is_file = plan_or_report.endswith(".json") or os.path.isfile(plan_or_report)
+    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16,
+                                   fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
+                                   overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+                                   overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+                                   gradient_accumulation_fusion=gradient_accumulation_fusion,
+                                   moe_permute_fusion=moe_permute_fusion)
     if is_file and not model:
         given = [n for n, v in (("--gpu", gpu), ("--gpus", gpus), ("--global-batch", global_batch), ("--seq-len", seq_len),
                                 ("--gpus-per-node", gpus_per_node), ("--cluster", cluster)) if v is not None]
+        given += [f"--{k.replace('_', '-')}" for k, v in fw.items() if v is not None]
         if given:
             raise SpecError("model", f"{', '.join(given)} describe another problem: give --model too, or leave them "
                             "out to check the report on its own problem")
@@ -228,7 +248,7 @@ def check_cmd(
         if not model:
             raise SpecError("model", "--model is required when PLAN_OR_REPORT is a plan")
         problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
-                                    precision=precision, gpus_per_node=gpus_per_node, cluster_file=cluster)
+                                    precision=precision, gpus_per_node=gpus_per_node, cluster_file=cluster, framework=fw)
         text = plan_or_report
         if is_file:         # a saved plan checked against this problem: its knobs, dp from --gpus
             text = re.sub(r"(^|,)dp=\d+", "", str(report_plans(read_report(text), 1, text)[0])).lstrip(",")

@@ -90,7 +90,7 @@ SURFACE = {
     | {"--to", "--report", "--plan", "--top", "--out"},
     "check": {"plan_or_report", "--model", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision",
               "--gpus-per-node", "--cluster", "--max-memory-frac", "--min-mfu", "--baseline", "--max-regression",
-              "--memory-limit-gb", "--memory-limit", "--calibration", "--json"},
+              "--memory-limit-gb", "--memory-limit", "--calibration", "--json"} | FRAMEWORK_OPTIONS,
     "launch": {"--plan", "--model", "--megatron-path", "--gpu", "--gpus", "--global-batch", "--seq-len", "--precision",
                "--gpus-per-node", "--cluster", "--launcher", "--train-iters", "--dry-run", "--log", "--out", "--json"}
     | FRAMEWORK_OPTIONS,

@@ -100,6 +100,17 @@ def test_check_a_saved_report_on_its_own_problem_and_on_another():
     assert json.loads(other.stdout)["plan"].startswith(mesh.format(2 * best["dp"]))     # dp from --gpus
 
 
+def test_check_takes_the_framework_flags():
+    # the CI gate predicts the framework the job runs: without gradient-accumulation fusion the step is slower
+    fused = json.loads(run("check", PLAN, *SMALL, "--json").stdout)
+    unfused = run("check", PLAN, *SMALL, "--no-gradient-accumulation-fusion", "--json")
+    assert unfused.exit_code in (0, 1), unfused.stderr
+    assert json.loads(unfused.stdout)["prediction"]["tokens_per_s"] < fused["prediction"]["tokens_per_s"]
+    # a saved report carries its own framework: flags that would change it need --model (another problem)
+    assert_one_line_error(run("check", "results/reference/dense_llama3-70b_h100x512.json", "--tp-comm-overlap"), 2,
+                          "model", "--tp-comm-overlap")
+
+
 def test_check_bad_input_exits_2():
     assert_one_line_error(run("check", PLAN, *SMALL, "--max-regression", "abc"), 2, "max-regression")
     assert_one_line_error(run("check", PLAN, *SMALL, "--max-memory-frac", "1.5"), 2, "max-memory-frac")
