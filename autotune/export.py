@@ -26,7 +26,7 @@ import shlex
 from dataclasses import dataclass
 
 from costmodels.plan import Plan, expand_layout
-from costmodels.specs import CudaGraphImpl, PipelineSchedule, Precision, Recompute, SpecError
+from costmodels.specs import CudaGraphImpl, Framework, PipelineSchedule, Precision, Recompute, SpecError
 from search_spaces.space import Problem, check_plan
 
 TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed")
@@ -771,4 +771,8 @@ def parse_target(text: str) -> str:
 
 def export(target: str, plan: Plan, problem: Problem) -> Exported:
     """The plan as `target` runs it, or ExportRefused (a SpecError) naming the plan field and why."""
-    return _EXPORTERS[parse_target(target)](plan, problem)
+    target = parse_target(target)
+    if problem.job.framework.framework is Framework.JAX and target != "maxtext":
+        raise ExportRefused(target, "framework=jax", "the plan was scored as one XLA-compiled step (a JAX "
+                            "trainer); export it to maxtext, or score it with --framework megatron")
+    return _EXPORTERS[target](plan, problem)

@@ -306,7 +306,10 @@ def case_from_row(row: dict) -> RowCase:
         stated = framework_spec(**launch["framework"])
         framework = dataclasses.replace(framework, **{k: getattr(stated, k) for k in launch["framework"]})
     if isinstance((row.get("run") or {}).get("framework"), dict):    # a run that states its framework options
-        framework = framework_spec(**row["run"]["framework"])
+        stated_fw = dict(row["run"]["framework"])
+        if row["run"].get("runner") == "jax":       # records written before the jax runner named its framework
+            stated_fw.setdefault("framework", "jax")
+        framework = framework_spec(**stated_fw)
     job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision,
                   framework=framework)
     fixed, filled = {}, []

@@ -34,10 +34,11 @@ from .search import predict
 #: (`autotune.verify_megatron`: a checkout and torchrun or SLURM)
 RUNNERS = ("jax", "megatron")
 _DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16", Precision.FP32: "float32"}
-#: what the jax runner does, in Megatron's option names: no TP-communication overlap (no TE userbuffers),
+#: what the jax runner does, in Megatron's option names: one XLA program per step (Framework.JAX: no
+#: per-kernel host dispatch, no per-micro-batch Python), no TP-communication overlap (no TE userbuffers),
 #: fp32 gradient accumulation, XLA schedules the DP collectives (not Megatron's bucketed overlap), and
 #: the pipeline is GPipe (sharded.py: every micro-batch's activations live until the backward pass)
-RUN_FRAMEWORK = {"tp_comm_overlap": False, "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
+RUN_FRAMEWORK = {"framework": "jax", "tp_comm_overlap": False, "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
                  "overlap_param_gather": False, "pipeline_schedule": "gpipe", "microbatch_grad_buffer": True}
 
 

@@ -31,7 +31,7 @@ CalibrationOpt = Annotated[Optional[str], typer.Option("--calibration", help="Ef
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout and nothing else.")]
 
 # Megatron-Core options of the job (FrameworkSpec), with Megatron's flag names; None = its default
-FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default) or deepspeed (ZeRO-2 exists only there).")]
+FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default), deepspeed (ZeRO-2 exists only there) or jax (an XLA-compiled step: MaxText, the jax runner).")]
 AttentionBackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="flash (default), fused or unfused (s x s scores in memory).")]
 TpCommOverlapOpt = Annotated[Optional[bool], typer.Option("--tp-comm-overlap/--no-tp-comm-overlap", help="Megatron --tp-comm-overlap (TE userbuffers; needs SP). Default off.")]
 GradReduceBf16Opt = Annotated[Optional[bool], typer.Option("--grad-reduce-in-bf16/--grad-reduce-in-fp32", help="Gradient buffers and their reduction in bf16 (Megatron-Bridge recipes) or fp32 (Megatron-LM default).")]

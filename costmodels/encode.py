@@ -100,7 +100,8 @@ def cuda_graph_capture(fw: FrameworkSpec) -> dict:
         cg_moe=(whole and padded) or CudaGraphModule.MOE in mods,
         cg_router=whole or router,
         cg_preprocess=whole or preprocess,
-        cg_iteration=fw.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION,
+        # an XLA-compiled step (Framework.JAX) launches no kernel from the host either
+        cg_iteration=fw.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION or fw.framework is Framework.JAX,
     )
     return {k: float(v) for k, v in vals.items()}
 
@@ -131,6 +132,7 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         tp_async=float(j.framework.async_tensor_model_parallel_allreduce),
         gpipe=float(j.framework.pipeline_schedule is PipelineSchedule.GPIPE),
         deepspeed=float(j.framework.framework is Framework.DEEPSPEED),
+        compiled_step=float(j.framework.framework is Framework.JAX),
         mb_grad_buffer=float(j.framework.microbatch_grad_buffer),
         moe_capacity=float(j.framework.moe_expert_capacity_factor),
         fp8_param=float(j.framework.fp8_param_gather),

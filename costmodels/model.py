@@ -128,7 +128,8 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
 
     # ---- the step ----
     m = S.micro_batches
-    overhead = e.step_overhead_s + m * e.microbatch_overhead_s
+    # an eager framework's per-step and per-micro-batch host work (an XLA-compiled step has none)
+    overhead = (e.step_overhead_s + m * e.microbatch_overhead_s) * (1.0 - J["compiled_step"])
     step = m * (t_max + t_acc) + bubble + pp_comm + dp_comm + t_opt + overhead
     time = StepTime(compute=m * (slowest.pick(first["compute"], mid["compute"], last["compute"]) + t_acc),
                     recompute=m * slowest.pick(first["recompute"], mid["recompute"], last["recompute"]),

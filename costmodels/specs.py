@@ -348,6 +348,9 @@ class Framework(enum.Enum):
     its option names and defaults are the fields of `FrameworkSpec`."""
     MEGATRON = "megatron"       # Megatron-LM / Megatron-Core (and Megatron-Bridge, NeMo 2)
     DEEPSPEED = "deepspeed"     # Megatron-DeepSpeed: ZeRO stages 1-3 with DeepSpeed's communication
+    # a JAX trainer (this project's jax runner, MaxText): XLA compiles the whole step, micro-batches
+    # included, into one program, so no host issues kernels one by one and no Python runs per micro-batch
+    JAX = "jax"
 
     @classmethod
     def parse(cls, text: str, field_name: str = "framework") -> "Framework":

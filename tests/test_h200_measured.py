@@ -78,15 +78,23 @@ def test_memory_matches_the_h200_runs(runs):
 
 
 def test_step_time_of_the_8b_stage_without_full_recompute(runs):
-    # the GEMM-dominated 8B-shaped stage (h 4096, 8 layers, seq 4096) without full recompute: within 12 %.
-    # (Not held: the 1.1B runs, 11-26 % over-predicted, and full recompute, 20-45 %. The model adds
-    # Megatron's per-step and per-micro-batch host work, which a step compiled by XLA does not have, and a
-    # whole forward pass per recomputed layer (+25-33 %) where the runs measured +7-12 %; JAX's remat skips
-    # the MLP's down projection, about a quarter of that, and the rest is not explained yet.)
+    # the GEMM-dominated 8B-shaped stage (h 4096, 8 layers, seq 4096) without full recompute: within 6 %
     sel = [r for r in runs if r["model"] == "llama3-8b" and "full" not in r["plan"]]
     assert len(sel) == 3
     for r in sel:
-        assert abs(r["step_error_pct"]) < 12.0, r
+        assert abs(r["step_error_pct"]) < 6.0, r
+
+
+def test_step_time_of_every_run_without_full_recompute(runs):
+    # the runner's step is one XLA program (Framework.JAX): no per-kernel host dispatch and no Megatron
+    # per-step / per-micro-batch host work (with them: 1.1B runs +11..+26 %). 11 runs, 1.1B and 8B, micro-batch
+    # 1-8, none / selective recompute. (Not held: full recompute, +15..+37 %: the model charges a whole forward
+    # per recomputed layer where the runs measured +7-12 %; JAX's remat skips the MLP's down projection,
+    # about a quarter of that, and the rest is not explained yet.)
+    sel = [r for r in runs if "full" not in r["plan"]]
+    err = np.array([r["step_error_pct"] for r in sel])
+    assert len(sel) == 11
+    assert np.mean(np.abs(err)) < 10.0 and np.max(np.abs(err)) < 20.0, err
 
 
 def test_expert_gemms_match_a_batched_gemm_at_training_sizes(moe):
