@@ -172,6 +172,8 @@ class LayerWork(NamedTuple):
     kernels_moe: object
     host_dense: object       # host time to issue a dense layer's forward ops (eager, or around CUDA graphs)
     host_moe: object
+    remat_skip_dense: object  # forward work full recompute does not replay (an XLA remat: the MLP's last GEMM)
+    remat_skip_moe: object
 
 
 def _gemm(S: Shapes, H: dict, J: dict, e: EfficiencyParams):
@@ -284,17 +286,29 @@ def host_kernels(S: Shapes, J: dict, n_dense, n_moe):
     return dense * eager, moe * eager
 
 
+def mlp_down_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
+    """The MLP's last GEMM (down projection, fc2) of a dense and of an MoE layer: an XLA remat of a layer
+    (jax.checkpoint) never recomputes it, as the backward pass reads its input, not its output (counted in
+    the jaxpr of the jax runner's gradient: tests/test_h200_measured.py)."""
+    gemm, T, tp, h = _gemm(S, H, J, e), S.tokens, S.tp, M["hidden"]
+    n_local = jnp.maximum(M["experts"], 1.0) / S.ep
+    moe = (n_local * gemm(S.expert_tokens, h, M["expert_ffn"] / S.etp) + gemm(T, h, M["shared_ffn"] / tp)) * S.is_moe
+    return gemm(T, h, M["ffn"] / tp), moe
+
+
 def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> LayerWork:
     elem_attn, elem_dense, elem_moe = elementwise_s(S, M, H, J, e)
     mlp_moe, mlp_moe_shared = moe_mlp_s(S, M, H, J, e)
     n_dense, n_moe = layer_kernels(S, M, J)
     host_dense, host_moe = host_kernels(S, J, n_dense, n_moe)
+    down_dense, down_moe = mlp_down_s(S, M, H, J, e)
     return LayerWork(
         attn_proj=attention_projections_s(S, M, H, J, e), attn_core=attention_core_s(S, M, H, J, e),
         mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=dense_mlp_s(S, M, H, J, e),
         mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, elem_dense=elem_dense, elem_moe=elem_moe,
         kernels_dense=n_dense * e.kernel_overhead_s, kernels_moe=n_moe * e.kernel_overhead_s,
-        host_dense=host_dense * e.host_op_s, host_moe=host_moe * e.host_op_s)
+        host_dense=host_dense * e.host_op_s, host_moe=host_moe * e.host_op_s,
+        remat_skip_dense=J["compiled_step"] * down_dense, remat_skip_moe=J["compiled_step"] * down_moe)
 
 
 class LayerTimes(NamedTuple):

@@ -34,7 +34,7 @@ def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head):
     this stage's share of MoE layers."""
     fm, r = S.frac_moe, S.rec_mod
     fb_layer = (1.0 - fm) * (lt.fwd_dense + lt.bwd_dense) + fm * (lt.fwd_moe + lt.bwd_moe)
-    full_layer = (1.0 - fm) * lt.fwd_dense + fm * lt.fwd_moe
+    full_layer = (1.0 - fm) * (lt.fwd_dense - w.remat_skip_dense) + fm * (lt.fwd_moe - w.remat_skip_moe)
     head_tp = 2.0 * lc.tp_pair                           # the output layer's TP collectives
     head_compute = 3.0 * hw_head.logits_fwd + hw_head.loss
     return dict(

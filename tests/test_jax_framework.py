@@ -68,3 +68,19 @@ def test_cli_and_refusals():
     assert json.loads(r.output)["time_breakdown_s"]["overhead"] == 0.0
     r = CliRunner().invoke(app, base + ["--framework", "jax", "--cuda-graph-impl", "local"])
     assert r.exit_code == 2 and "cuda_graph_impl" in r.output and "Traceback" not in r.output
+
+
+def test_full_recompute_under_jax_skips_the_mlp_down_projection():
+    # an XLA remat replays a layer's forward but not its last GEMM (the backward reads fc2's input, not its
+    # output: tests/test_h200_measured.py counts it in the jaxpr); Megatron replays the whole forward
+    from costmodels.compute import gemm_s
+    plan = "tp=8,pp=1,mbs=1,zero=0,sp=true,recompute=full"
+    out = {}
+    for fw in ("megatron", "jax"):
+        problem = api.build_problem(**JOB, framework={"framework": fw})
+        out[fw] = api.predict_plan(problem, api.plan_from_text(plan, problem))["time_breakdown_s"]["recompute"]
+    m, e, gpu = problem.model, EfficiencyParams(), problem.cluster.gpu
+    fc2 = float(gemm_s(JOB["seq_len"], m.hidden_size, m.ffn_hidden_size / 8, gpu.peak_flops_bf16 * gpu.matmul_frac_bf16,
+                       2.0, gpu.hbm_bandwidth_bytes_per_s, e.gemm_eff_max, e))
+    micro_batches = JOB["global_batch"]
+    assert out["megatron"] - out["jax"] == pytest.approx(micro_batches * m.num_layers * fc2, rel=1e-3)
