@@ -88,9 +88,9 @@ def test_step_time_of_the_8b_stage_without_full_recompute(runs):
 def test_step_time_of_every_run_without_full_recompute(runs):
     # the runner's step is one XLA program (Framework.JAX): no per-kernel host dispatch and no Megatron
     # per-step / per-micro-batch host work (with them: 1.1B runs +11..+26 %). 11 runs, 1.1B and 8B, micro-batch
-    # 1-8, none / selective recompute. (Not held: full recompute, +15..+37 %: the model charges a whole forward
-    # per recomputed layer where the runs measured +7-12 %; JAX's remat skips the MLP's down projection,
-    # about a quarter of that, and the rest is not explained yet.)
+    # 1-8, none / selective recompute. (Not held: full recompute, +11..+32 %: the model charges a layer's
+    # forward but its MLP's down projection per recomputed layer, ~+22-27 % of the step, where the runs
+    # measured +7-12 %; the rest is not explained yet.)
     sel = [r for r in runs if "full" not in r["plan"]]
     err = np.array([r["step_error_pct"] for r in sel])
     assert len(sel) == 11
