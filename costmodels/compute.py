@@ -174,6 +174,7 @@ class LayerWork(NamedTuple):
     host_moe: object
     remat_skip_dense: object  # forward work full recompute does not replay (an XLA remat: the MLP's last GEMM)
     remat_skip_moe: object
+    host_moe_pre: object     # host time of an MoE layer's ops before its dispatcher waits for the token counts
 
 
 def _gemm(S: Shapes, H: dict, J: dict, e: EfficiencyParams):
@@ -296,6 +297,16 @@ def mlp_down_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     return gemm(T, h, M["ffn"] / tp), moe
 
 
+def moe_pre_sync_launches(S: Shapes, J: dict):
+    """Launches the host issues in an MoE layer forward before the dispatcher's host-device synchronization
+    (the attention block, the pre-MLP norm, the router and the preprocess), with the job's CUDA graphs."""
+    attn = KERNELS_ATTN_BLOCK + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS + _tp_collectives(S) / 2.0
+    n = (attn * (1.0 - J["cg_attn"]) + J["cg_attn"] + (NORM_KERNELS + MOE_ROUTER_KERNELS) * (1.0 - J["cg_router"])
+         + MOE_PREPROCESS_KERNELS * (1.0 - J["cg_preprocess"]) + jnp.maximum(J["cg_router"], J["cg_preprocess"])
+         - J["cg_whole"])
+    return n * (1.0 - J["cg_iteration"])
+
+
 def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> LayerWork:
     elem_attn, elem_dense, elem_moe = elementwise_s(S, M, H, J, e)
     mlp_moe, mlp_moe_shared = moe_mlp_s(S, M, H, J, e)
@@ -308,7 +319,8 @@ def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> Lay
         mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, elem_dense=elem_dense, elem_moe=elem_moe,
         kernels_dense=n_dense * e.kernel_overhead_s, kernels_moe=n_moe * e.kernel_overhead_s,
         host_dense=host_dense * e.host_op_s, host_moe=host_moe * e.host_op_s,
-        remat_skip_dense=J["compiled_step"] * down_dense, remat_skip_moe=J["compiled_step"] * down_moe)
+        remat_skip_dense=J["compiled_step"] * down_dense, remat_skip_moe=J["compiled_step"] * down_moe,
+        host_moe_pre=moe_pre_sync_launches(S, J) * e.host_op_s)
 
 
 class LayerTimes(NamedTuple):

@@ -15,6 +15,8 @@ different runs (validation, calibration). The terms live in small modules:
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -29,7 +31,7 @@ from .params import EfficiencyParams
 MLP_SHARE_OF_TP_COMM = 0.5
 
 
-def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head):
+def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head, sync):
     """Per micro-batch time terms of a stage with n layers (embed / head: 0/1 flags); S.frac_moe is
     this stage's share of MoE layers."""
     fm, r = S.frac_moe, S.rec_mod
@@ -47,7 +49,32 @@ def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head):
                + fm * r.moe * MLP_SHARE_OF_TP_COMM * lc.tp_moe),
         cp=n * (lc.cp_fwd + lc.cp_bwd) + n_rec * lc.cp_fwd,
         ep=n * fm * 2.0 * lc.ep_fwd + (n_rec + n * r.moe) * fm * lc.ep_fwd,
-        host=(n * (1.0 + compute.HOST_BWD_PER_FWD) + n_rec) * ((1.0 - fm) * w.host_dense + fm * w.host_moe))
+        host=(n * (1.0 + compute.HOST_BWD_PER_FWD) + n_rec) * ((1.0 - fm) * w.host_dense + fm * w.host_moe),
+        sync_cycle=n * fm * sync.cycle, sync_gpu=n * fm * sync.gpu, sync_host=n * fm * sync.host)
+
+
+class MoeSync(NamedTuple):
+    """Per MoE layer forward (s): the cycle after the dispatcher's wait, and the GPU and host time it replaces."""
+    cycle: object
+    gpu: object
+    host: object
+
+
+def moe_host_sync(S, w, lt, lc, J, e) -> MoeSync:
+    """A dropless MoE layer's dispatcher must learn on the host how many tokens each expert receives
+    (Megatron-Core's alltoall cuda_sync_point, DeepEP's received-token count, TEGroupedMLP's
+    tokens_per_expert.tolist()): the host waits for the GPU to finish the layer's attention and router
+    (P), then issues the dispatch, experts and combine (Q) and the next layer's P. Slack the host gained
+    while the GPU ran P cannot carry past the wait, so a forward layer takes max(host_Q + host_P,
+    max(host_Q, gpu_Q) + gpu_P) plus one host op for the first launch, against max of the sums without
+    the wait. Padded experts (static sizes) and full-iteration graphs do not wait."""
+    g_f = lt.fwd_moe + lc.tp_moe + lc.ep_fwd
+    h_f = w.host_moe
+    g_p = w.attn_proj + w.attn_core + w.elem_attn + compute.KERNELS_ATTN_BLOCK * e.kernel_overhead_s
+    h_p = w.host_moe_pre
+    cycle = jnp.maximum(h_f, jnp.maximum(h_f - h_p, g_f - g_p) + g_p) + e.host_op_s
+    on = S.is_moe * (J["moe_capacity"] <= 0).astype(jnp.float32) * (1.0 - J["cg_iteration"])
+    return MoeSync(on * cycle, on * g_f, on * h_f)
 
 
 def _moe_shares(S, M, st):
@@ -70,7 +97,9 @@ def _total(st: dict):
     """A stage's micro-batch: an eager framework's host issues the kernels asynchronously, so the
     GPU's work hides the host's dispatch time, and the GPU waits when the host is slower (small
     layers, many kernels: the reason for CUDA graphs)."""
-    return jnp.maximum(_gpu(st), st["host"])
+    # a dropless MoE layer's forward waits on the host for its token counts: its ops after the wait run as a
+    # cycle of their own, the rest of the micro-batch as before
+    return st["sync_cycle"] + jnp.maximum(_gpu(st) - st["sync_gpu"], st["host"] - st["sync_host"])
 
 
 def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams) -> Prediction:
@@ -84,6 +113,7 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     lt = compute.layer_times(w, e)
     lc = comm.layer_comm(S, w, lt, M, H, J, e)
     head = compute.head_work(S, M, H, J, e)
+    sync = moe_host_sync(S, w, lt, lc, J, e)
 
     # ---- pipeline stages: first, middle, last (the first with its own share of MoE layers) ----
     st = pipeline.stages(S, P, M)
@@ -91,9 +121,9 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     whole = S                                            # the model's average, for FLOPs
     S1, S = S._replace(frac_moe=fm1), S._replace(frac_moe=fm_rest)
     n_rec = [pipeline.recomputed_layers(S, P, n) for n in (st.first, st.mid, st.last)]
-    first = _stage_time(S1, st.first, n_rec[0], 1.0, st.single, w, lt, lc, head)
-    mid = _stage_time(S, st.mid, n_rec[1], 0.0, 0.0, w, lt, lc, head)
-    last = _stage_time(S, st.last, n_rec[2], st.single, 1.0, w, lt, lc, head)
+    first = _stage_time(S1, st.first, n_rec[0], 1.0, st.single, w, lt, lc, head, sync)
+    mid = _stage_time(S, st.mid, n_rec[1], 0.0, 0.0, w, lt, lc, head, sync)
+    last = _stage_time(S, st.last, n_rec[2], st.single, 1.0, w, lt, lc, head, sync)
     t_first, t_mid, t_last = _total(first), _total(mid), _total(last)
     slowest = pipeline.largest(t_first, t_mid, t_last, st.has_mid)
     t_max = slowest.pick(t_first, t_mid, t_last)
