@@ -68,9 +68,11 @@ def moe_host_sync(S, w, lt, lc, J, e) -> MoeSync:
     while the GPU ran P cannot carry past the wait, so a forward layer takes max(host_Q + host_P,
     max(host_Q, gpu_Q) + gpu_P) plus one host op for the first launch, against max of the sums without
     the wait. Padded experts (static sizes) and full-iteration graphs do not wait."""
-    g_f = lt.fwd_moe + lc.tp_moe + lc.ep_fwd
+    # the ring-attention exchange belongs to the attention block: kept with it, a faster attention kernel that
+    # hides less of it never lengthens the step (hypothesis found the case when it sat outside the cycle)
+    g_f = lt.fwd_moe + lc.tp_moe + lc.ep_fwd + lc.cp_fwd
     h_f = w.host_moe
-    g_p = w.attn_proj + w.attn_core + w.elem_attn + compute.KERNELS_ATTN_BLOCK * e.kernel_overhead_s
+    g_p = w.attn_proj + w.attn_core + w.elem_attn + lc.cp_fwd + compute.KERNELS_ATTN_BLOCK * e.kernel_overhead_s
     h_p = w.host_moe_pre
     cycle = jnp.maximum(h_f, jnp.maximum(h_f - h_p, g_f - g_p) + g_p) + e.host_op_s
     on = S.is_moe * (J["moe_capacity"] <= 0).astype(jnp.float32) * (1.0 - J["cg_iteration"])
