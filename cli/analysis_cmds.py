@@ -18,7 +18,7 @@ from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, P
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
                          MoePermuteFusionOpt, CudaGraphImplOpt,
-                         CudaGraphModulesOpt, framework_options)
+                         CudaGraphModulesOpt, framework_options_of)
 from costmodels.specs import SpecError
 
 
@@ -72,13 +72,7 @@ def explain(
     problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                                 precision=precision, gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw,
                                 inter_node_bw=inter_node_bw, cluster_file=cluster,
-                                framework=framework_options(framework, attention_backend, tp_comm_overlap,
-                                                            grad_reduce_in_bf16, fp8_param_gather,
-                                                            moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                           gradient_accumulation_fusion=gradient_accumulation_fusion,
-                           moe_permute_fusion=moe_permute_fusion))
+                                framework=framework_options_of(locals()))
     params, _ = api.load_params(calibration, problem.cluster.gpu.name)
     if plan:
         the_plan = api.plan_from_text(plan, problem)
@@ -238,12 +232,7 @@ def whatif(
     if calibration:
         from autotune.measurements import read_calibration
         calibrated_gpu = str(read_calibration(calibration)[1].get("gpu") or "").lower() or None
-    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
-                           moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                           gradient_accumulation_fusion=gradient_accumulation_fusion,
-                           moe_permute_fusion=moe_permute_fusion)
+    fw = framework_options_of(locals())
     rows = []
     for g in gpu:
         for bw in list(inter_node_bw or []) or [None]:

@@ -22,7 +22,7 @@ from cli.options import (AttentionBackendOpt, CalibrationOpt, ClusterOpt, CudaGr
                          MoePermuteFusionOpt, Fp8ParamGatherOpt,
                          FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt, GpusPerNodeOpt, GradReduceBf16Opt, InterBwOpt,
                          IntraBwOpt, JsonOpt, MemLimitOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
-                         framework_options)
+                         framework_options_of)
 from costmodels.specs import SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -158,12 +158,7 @@ def export_cmd(
     target = parse_target(to)
     problem, plans, _ = _problem_and_plans(
         report, plan, model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw, inter_node_bw,
-        cluster, framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16,
-                                   fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                           gradient_accumulation_fusion=gradient_accumulation_fusion,
-                           moe_permute_fusion=moe_permute_fusion), top)
+        cluster, framework_options_of(locals()), top)
     exported = [export(target, p, problem) for p in plans]      # any refusal stops before writing
     paths = []
     if out:
@@ -229,12 +224,7 @@ def check_cmd(
     from autotune.saved import read_report, report_plans
     regression = parse_fraction(max_regression, "max-regression")
     is_file = plan_or_report.endswith(".json") or os.path.isfile(plan_or_report)
-    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16,
-                                   fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                                   overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                                   overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                                   gradient_accumulation_fusion=gradient_accumulation_fusion,
-                                   moe_permute_fusion=moe_permute_fusion)
+    fw = framework_options_of(locals())
     if is_file and not model:
         given = [n for n, v in (("--gpu", gpu), ("--gpus", gpus), ("--global-batch", global_batch), ("--seq-len", seq_len),
                                 ("--gpus-per-node", gpus_per_node), ("--cluster", cluster)) if v is not None]
@@ -305,12 +295,7 @@ def launch_cmd(
     """Run a plan with Megatron-LM for a few iterations (torchrun or SLURM) and record the measurement."""
     from autotune import api
     from autotune.launch import megatron_launch
-    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16,
-                                   fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                                   overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                                   overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                                   gradient_accumulation_fusion=gradient_accumulation_fusion,
-                                   moe_permute_fusion=moe_permute_fusion)
+    fw = framework_options_of(locals())
     problem = api.build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                                 precision=precision, gpus_per_node=gpus_per_node, cluster_file=cluster, framework=fw)
     the_plan = api.plan_from_text(plan, problem)

@@ -26,7 +26,7 @@ from cli.options import (  # shared flags
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
     OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
-    framework_options,
+    framework_options_of,
 )
 from costmodels.specs import SpecError
 
@@ -189,12 +189,7 @@ def search(
     """Find the fastest plan that fits in memory: every legal plan (exhaustive) or an Optuna study."""
     from autotune.files import check_writable_folder     # JAX and Optuna only once the input is checked
 
-    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
-                           moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                           gradient_accumulation_fusion=gradient_accumulation_fusion,
-                           moe_permute_fusion=moe_permute_fusion)
+    fw = framework_options_of(locals())
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     export_to = export_to and export_cmds.parse_target(export_to)
     gpu_count = optuna_cmds.parse_search_gpus(gpus)
@@ -345,13 +340,7 @@ def predict(
 
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw)
     problem = _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw,
-                       inter_node_bw, cluster, framework_options(framework, attention_backend, tp_comm_overlap,
-                                                                 grad_reduce_in_bf16, fp8_param_gather,
-                                                                 moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                           overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                           overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                           gradient_accumulation_fusion=gradient_accumulation_fusion,
-                           moe_permute_fusion=moe_permute_fusion))
+                       inter_node_bw, cluster, framework_options_of(locals()))
     the_plan = plan_from_text(plan, problem)
     from autotune import api                          # JAX: only once the problem and the plan are checked
     from autotune.report import plan_text, problem_dict

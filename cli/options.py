@@ -51,6 +51,18 @@ CudaGraphModulesOpt = Annotated[Optional[list[str]], typer.Option(
          "none = the whole layer). --cuda-graph-scope is Megatron's older name.")]
 
 
+#: the framework flags of a command, by parameter name (the Opt types above); framework_options_of reads them
+FRAMEWORK_FLAGS = ("framework", "attention_backend", "tp_comm_overlap", "grad_reduce_in_bf16", "fp8_param_gather",
+                   "moe_token_dispatcher_type", "cuda_graph_impl", "cuda_graph_modules",
+                   "overlap_moe_expert_parallel_comm", "overlap_grad_reduce", "overlap_param_gather",
+                   "gradient_accumulation_fusion", "moe_permute_fusion")
+
+
+def framework_options_of(values: dict) -> dict:
+    """framework_options from a command's parameters (its `locals()`): one call for every command."""
+    return framework_options(**{k: values.get(k) for k in FRAMEWORK_FLAGS})
+
+
 def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
                       moe_token_dispatcher_type, cuda_graph_impl=None, cuda_graph_modules=None,
                       overlap_moe_expert_parallel_comm=None, overlap_grad_reduce=None,

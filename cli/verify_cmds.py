@@ -21,7 +21,7 @@ from cli.options import (AttentionBackendOpt, CalibrationOpt, CudaGraphImplOpt, 
                          EpOverlapOpt, Fp8ParamGatherOpt, FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt,
                          GradAccFusionOpt, GradReduceBf16Opt, JsonOpt, ModelOpt, MoePermuteFusionOpt,
                          OverlapGradReduceOpt, OverlapParamGatherOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
-                         framework_options)
+                         framework_options_of)
 
 EXIT_OK, EXIT_OOM, EXIT_INTERRUPTED = 0, 3, 130
 #: autotune.verify.RUNNERS, spelled here so that checking the flags imports no JAX (tests check they agree)
@@ -146,12 +146,7 @@ def verify(
     from autotune import api
     from autotune.verify import plan_slug, verify_plan
     megatron = megatron_options(runner, megatron_path, launcher, dry_run, out)
-    fw = framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16,
-                                   fp8_param_gather, moe_token_dispatcher_type, cuda_graph_impl, cuda_graph_modules,
-                                   overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-                                   overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-                                   gradient_accumulation_fusion=gradient_accumulation_fusion,
-                                   moe_permute_fusion=moe_permute_fusion)
+    fw = framework_options_of(locals())
     given = [k for k, v in fw.items() if v is not None]
     if given and runner != "megatron":
         raise SpecError(f"--{given[0].replace('_', '-')}", "applies to --runner megatron (the jax runner runs its "

@@ -270,13 +270,19 @@ def layer_kernels(S: Shapes, M: dict, J: dict):
     return dense, moe
 
 
+def attention_block_launches(S: Shapes, J: dict):
+    """Kernels of a layer's attention block (what an attn CUDA graph captures), with its half of the TP
+    collectives (each block has one, or one pair with SP)."""
+    return KERNELS_ATTN_BLOCK + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS + _tp_collectives(S) / 2.0
+
+
 def host_kernels(S: Shapes, J: dict, n_dense, n_moe):
     """Launches the host issues per dense and per MoE layer forward (of the `layer_kernels` counts) with
     the job's CUDA graphs (encode.cuda_graph_capture, 0/1 per region): a captured region's kernels are
     replayed by one graph launch; a full-iteration graph replays the whole forward-backward (no per-layer
     launch). The TP collectives split evenly between the attention and the MLP block (each has one, or
     one pair with SP); with moe_router only, an MoE layer's MLP-side collectives stay in its eager dispatch."""
-    attn = KERNELS_ATTN_BLOCK + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS + _tp_collectives(S) / 2.0
+    attn = attention_block_launches(S, J)
     router_side = J["cg_router"] * (NORM_KERNELS + MOE_ROUTER_KERNELS) + J["cg_preprocess"] * MOE_PREPROCESS_KERNELS
     moe_side = J["cg_moe"] * (n_moe - attn) + (1.0 - J["cg_moe"]) * router_side
     moe_graph = jnp.maximum(J["cg_moe"], jnp.maximum(J["cg_router"], J["cg_preprocess"]))
@@ -300,7 +306,7 @@ def mlp_down_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
 def moe_pre_sync_launches(S: Shapes, J: dict):
     """Launches the host issues in an MoE layer forward before the dispatcher's host-device synchronization
     (the attention block, the pre-MLP norm, the router and the preprocess), with the job's CUDA graphs."""
-    attn = KERNELS_ATTN_BLOCK + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS + _tp_collectives(S) / 2.0
+    attn = attention_block_launches(S, J)
     n = (attn * (1.0 - J["cg_attn"]) + J["cg_attn"] + (NORM_KERNELS + MOE_ROUTER_KERNELS) * (1.0 - J["cg_router"])
          + MOE_PREPROCESS_KERNELS * (1.0 - J["cg_preprocess"]) + jnp.maximum(J["cg_router"], J["cg_preprocess"])
          - J["cg_whole"])

@@ -92,6 +92,40 @@ def timed(fn, reps: int = 7, warmup: int = 2, flush: bool = True, budget_s: floa
     return statistics.median(times)
 
 
+def time_eager_and_compiled(row: dict, fn, fwd, fwd_bwd) -> None:
+    """Time fn eager and under torch.compile (as Megatron-Core's jit_fuser fuses such chains), forward
+    (`fwd(g)`) and forward + backward (`fwd_bwd(g)()`), into row[f"{kind}_fwd_s"] / row[f"{kind}_fwd_bwd_s"];
+    a compile failure is recorded in the row, not fatal."""
+    variants = {"eager": fn}
+    if GPU:
+        try:
+            compiled = torch.compile(fn)
+            fwd(compiled)
+            fwd_bwd(compiled)()
+            variants["compiled"] = compiled
+        except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+            row["compile_error"] = str(exc)[:120]
+    for kind, g in variants.items():
+        row[f"{kind}_fwd_s"] = timed(lambda g=g: fwd(g))
+        row[f"{kind}_fwd_bwd_s"] = timed(fwd_bwd(g))
+    print(" ".join(f"{k}={v}" for k, v in row.items() if not k.endswith("_s")) + ": "
+          + " ".join(f"{k}={v * 1e6:.0f}us" for k, v in row.items() if k.endswith("_s")), flush=True)
+
+
+def save_rows(key: str, rows_fn, default_out: str) -> None:
+    """A micro-benchmark script's main: the device, then rows_fn()'s rows under `key`, written to the
+    first non-flag argument (or default_out)."""
+    out = next((a for a in sys.argv[1:] if not a.startswith("--")), default_out)
+    doc = {"device": device_info()}
+    t0 = time.perf_counter()
+    doc[key] = rows_fn()
+    doc["seconds"] = time.perf_counter() - t0
+    if GPU:
+        doc["device"]["nvidia_smi_after"] = device_info().get("nvidia_smi")
+    json.dump(doc, open(out, "w"), indent=1)
+    print(f"wrote {out} in {doc['seconds']:.1f} s")
+
+
 def gemm_rows() -> list:
     rows = []
     fp8 = GPU and hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9)

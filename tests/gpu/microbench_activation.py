@@ -12,16 +12,14 @@ what `tests/gpu/compare_h200.py` reports.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from microbench import DEV, GPU, QUICK, device_info, timed  # noqa: E402
+from microbench import DEV, GPU, QUICK, save_rows, time_eager_and_compiled  # noqa: E402
 
 SHAPES = [(8192, 4096), (8192, 14336), (32768, 4096), (16384, 28672)]
 if QUICK or not GPU:
@@ -54,38 +52,20 @@ def rows() -> list:
             bias = torch.randn(width * f, device=DEV, dtype=BF16)
             dy = torch.randn(m, f, device=DEV, dtype=BF16)
             row = {"activation": name, "tokens": m, "ffn": f}
-            variants = {"eager": fn}
-            if GPU:
-                try:
-                    compiled = torch.compile(fn)
-                    compiled(x, bias), compiled(xr, bias).backward(dy)
-                    variants["compiled"] = compiled
-                except Exception as exc:  # noqa: BLE001 - recorded, not fatal
-                    row["compile_error"] = str(exc)[:120]
-            for kind, g in variants.items():
-                def fb(g=g):
+
+            def fwd_bwd(g):
+                def run():
                     g(xr, bias).backward(dy)
                     xr.grad = None
-                row[f"{kind}_fwd_s"] = timed(lambda g=g: g(x, bias))
-                row[f"{kind}_fwd_bwd_s"] = timed(fb)
+                return run
+            time_eager_and_compiled(row, fn, lambda g: g(x, bias), fwd_bwd)
             out.append(row)
-            print(f"{name} m={m} f={f}: " + " ".join(f"{k}={v * 1e6:.0f}us" for k, v in row.items() if k.endswith("_s")),
-                  flush=True)
             del x, xr, dy
     return out
 
 
 def main() -> None:
-    out = next((a for a in sys.argv[1:] if not a.startswith("--")), "microbench_activation.json")
-    doc = {"device": device_info()}
-    t0 = time.perf_counter()
-    doc["activation"] = rows()
-    doc["seconds"] = time.perf_counter() - t0
-    if GPU:
-        doc["device"]["nvidia_smi_after"] = device_info().get("nvidia_smi")
-    json.dump(doc, open(out, "w"), indent=1)
-    print(f"wrote {out} in {doc['seconds']:.1f} s")
-
+    save_rows("activation", rows, "microbench_activation.json")
 
 if __name__ == "__main__":
     main()

@@ -17,16 +17,14 @@ unit per forward-equivalent ((forward + backward) / 3) at the datasheet bandwidt
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from microbench import DEV, GPU, QUICK, device_info, timed  # noqa: E402
+from microbench import DEV, GPU, QUICK, save_rows, time_eager_and_compiled  # noqa: E402
 
 SHAPES = [(16384, 4096), (8192, 8192), (32768, 2048), (8192, 16384)]
 if QUICK or not GPU:
@@ -101,35 +99,13 @@ def rows() -> list:
     for T, h in SHAPES:
         for name, (fn, args) in _cases(T, h).items():
             row = {"kernel": name, "tokens": T, "hidden": h}
-            variants = {"eager": fn}
-            if GPU:
-                try:
-                    compiled = torch.compile(fn)
-                    compiled(*args)
-                    _fwd_bwd(compiled, args)()
-                    variants["compiled"] = compiled
-                except Exception as exc:  # noqa: BLE001 - recorded, not fatal
-                    row["compile_error"] = str(exc)[:120]
-            for kind, g in variants.items():
-                row[f"{kind}_fwd_s"] = timed(lambda g=g: g(*args))
-                row[f"{kind}_fwd_bwd_s"] = timed(_fwd_bwd(g, args))
+            time_eager_and_compiled(row, fn, lambda g, args=args: g(*args), lambda g, args=args: _fwd_bwd(g, args))
             out.append(row)
-            print(f"{name} T={T} h={h}: " + " ".join(f"{k}={v * 1e6:.0f}us" for k, v in row.items() if k.endswith("_s")),
-                  flush=True)
     return out
 
 
 def main() -> None:
-    out = next((a for a in sys.argv[1:] if not a.startswith("--")), "microbench_layer_elementwise.json")
-    doc = {"device": device_info()}
-    t0 = time.perf_counter()
-    doc["layer_elementwise"] = rows()
-    doc["seconds"] = time.perf_counter() - t0
-    if GPU:
-        doc["device"]["nvidia_smi_after"] = device_info().get("nvidia_smi")
-    json.dump(doc, open(out, "w"), indent=1)
-    print(f"wrote {out} in {doc['seconds']:.1f} s")
-
+    save_rows("layer_elementwise", rows, "microbench_layer_elementwise.json")
 
 if __name__ == "__main__":
     main()
