@@ -67,6 +67,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
         given["framework"] = Framework.parse(framework)
         if grad_reduce_in_fp32 is None:
             given["grad_reduce_in_fp32"] = given["framework"].grad_reduce_in_fp32_default
+        if gradient_accumulation_fusion is None:
+            given["gradient_accumulation_fusion"] = given["framework"].gradient_accumulation_fusion_default
     if attention_backend is not None:
         given["attention_backend"] = AttentionBackend.parse(attention_backend)
     if moe_token_dispatcher_type is not None:

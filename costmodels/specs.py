@@ -362,6 +362,14 @@ class Framework(enum.Enum):
         model's dtype unless its config says otherwise (deepspeed/runtime/engine.py, communication_data_type)."""
         return self is Framework.MEGATRON
 
+    @property
+    def gradient_accumulation_fusion_default(self) -> bool:
+        """Megatron's wgrad GEMMs accumulate into the fp32 main gradients (--gradient-accumulation-fusion,
+        on by default); a JAX trainer's gradient accumulation (a scan over micro-batches: this project's
+        runner, MaxText's gradient_accumulation_steps) adds each micro-batch's gradients to the accumulator
+        after its backward pass, in a kernel of its own."""
+        return self is not Framework.JAX
+
 
 class AttentionBackend(enum.Enum):
     """Megatron-Core --attention-backend: a fused kernel (FlashAttention / cuDNN fused attention)

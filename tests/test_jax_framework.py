@@ -38,9 +38,15 @@ def test_no_host_dispatch_and_no_python_overheads():
     assert jax["time_breakdown_s"]["overhead"] == 0.0
     assert jax["time_breakdown_s"]["host_wait"] == 0.0
     assert jax["step_time_s"] < eager["step_time_s"]
-    # the GPU's own work is the same
-    assert jax["time_breakdown_s"]["compute"] == pytest.approx(eager["time_breakdown_s"]["compute"], rel=1e-6)
-    assert problem.job.framework.framework is Framework.JAX
+    # the GPU's own work is the same but for the gradient accumulation: a JAX trainer adds each micro-batch's
+    # gradients to the accumulator (here bf16: --framework jax reduces in the model's dtype) in a kernel of its
+    # own (read 2 + 2, write 2 bytes per parameter), where Megatron's wgrad GEMMs accumulate into the main
+    # gradients as they are produced (--gradient-accumulation-fusion)
+    fw = problem.job.framework
+    assert fw.framework is Framework.JAX and not fw.gradient_accumulation_fusion and fw.grad_bytes_per_param == 2.0
+    params = problem.model.param_counts()["total"] / 8           # tp 8, pp 1: every rank holds 1/8 of the weights
+    acc_s = m * params * (2 + 2 * 2) / (problem.cluster.gpu.hbm_bandwidth_bytes_per_s * e.hbm_eff)
+    assert jax["time_breakdown_s"]["compute"] == pytest.approx(eager["time_breakdown_s"]["compute"] + acc_s, rel=2e-3)
 
 
 def test_exports_only_to_a_jax_trainer():
@@ -57,7 +63,8 @@ def test_jax_runner_records_are_read_as_jax():
     # records written before the runner named its framework: run.runner == "jax" says it
     row = json.load(open("tests/data/gpu/h200_verify_runs.json"))[0]
     assert "framework" not in row["run"]["framework"]
-    assert case_from_row(row).problem.job.framework.framework is Framework.JAX
+    fw = case_from_row(row).problem.job.framework
+    assert fw.framework is Framework.JAX and not fw.gradient_accumulation_fusion
 
 
 def test_cli_and_refusals():

@@ -56,11 +56,12 @@ def test_usable_rows_are_scored_or_skipped_with_a_reason(public_result):
 
 
 def test_moe_public_runs_accuracy(public_result):
-    # a regression guard at today's level (15.1 % MAPE over 51 MoE runs with the shipped defaults,
-    # in-sample, each Bridge run with its recipe's dispatcher and EP overlap; issue 11's target is 20 %
-    # out of sample, 15 % in-sample)
+    # a regression guard at today's level (17.0 % MAPE over 51 MoE runs with the shipped defaults,
+    # in-sample, each Bridge run with its recipe's dispatcher and EP overlap; 15.4 % when the defaults were
+    # a warm-started chain of fits, before they became the fit from the literature prior; issue 11's target
+    # is 20 % out of sample (18.0 % LOSO), 15 % in-sample)
     assert public_result["n_scored_moe"] == sum(1 for r in PUBLIC_ROWS if r["usable"] and r["model"]["num_experts"])
-    assert public_result["mape_moe_pct"] <= 17.0
+    assert public_result["mape_moe_pct"] <= 17.5
 
 
 def test_every_usable_published_run_is_scored_and_inside_the_legal_space(public_result):
@@ -192,5 +193,15 @@ def test_korthikanti_table5_from_the_literature_and_measured_constants():
     from autotune.validate import validate_runs
     from costmodels.params import LITERATURE_PRIOR
     res = validate_runs(dataset="korthikanti22", params=LITERATURE_PRIOR)
+    assert res["n_scored"] == 8
+    assert res["mape_pct"] < 3.0 and res["max_abs_error_pct"] < 6.0, res["mape_pct"]
+
+
+def test_korthikanti_table5_with_the_shipped_defaults():
+    # the same 8 never-fitted runs with the shipped constants, which are the fit of the other sources started
+    # from the literature prior (tests/benchmarks/fit_defaults.py): issue 11's 3 % (2.97 %, max 5.5 %; 5.95 %
+    # while the defaults were a chain of warm-started fits that had drifted to gemm_eff_max 0.82)
+    from autotune.validate import validate_runs
+    res = validate_runs(dataset="korthikanti22")
     assert res["n_scored"] == 8
     assert res["mape_pct"] < 3.0 and res["max_abs_error_pct"] < 6.0, res["mape_pct"]
