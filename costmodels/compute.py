@@ -61,6 +61,21 @@ NORM_KERNELS = 1.0
 #: unfused attention runs baddbmm (QK^T), scale-mask-softmax, dropout, bmm (PV) and the context's
 #: permute copy where a fused kernel runs one [K22 sec. 4.1; Megatron-LM legacy CoreAttention]
 UNFUSED_ATTENTION_EXTRA_KERNELS = 4.0
+#: Megatron's FusedScaleMaskSoftmax runs its fused kernel only for fp16/bf16 scores with 16 < sk <= 4096,
+#: sq and sk multiples of 4, and b x np (micro-batch x heads per TP rank) a multiple of the kernel's batches
+#: per block (4 for sk > 128, 8 below; is_kernel_available / get_batch_per_block in
+#: megatron/core/fusions/fused_softmax.py, the same in Megatron-DeepSpeed, apex and TE). Otherwise its
+#: forward_torch_softmax runs: an fp32 cast, the scale, masked_fill_, softmax and the cast back, five kernels
+#: for one, each reading and writing the score matrix (in fp32 under --attention-softmax-in-fp32, which
+#: query-key layer scaling forces): forward 36 B per score against the fused kernel's 4, backward 40
+#: against 6 (counted from the ops; autograd replays each op's backward)
+SOFTMAX_FALLBACK_EXTRA_KERNELS = 4.0
+SOFTMAX_FALLBACK_EXTRA_BYTES_FWD, SOFTMAX_FALLBACK_EXTRA_BYTES_BWD = 36.0 - 4.0, 40.0 - 6.0
+#: attention's backward / forward ratio the bytes above are spread with (a forward-equivalent count, as
+#: attention_core_s charges the backward as attn_bwd_ratio x the forward; the literature 2.5, not fitted)
+_ATTN_BWD_RATIO_LITERATURE = 2.5
+SOFTMAX_FALLBACK_EXTRA_BYTES_PER_SCORE = ((SOFTMAX_FALLBACK_EXTRA_BYTES_FWD + SOFTMAX_FALLBACK_EXTRA_BYTES_BWD)
+                                          / (1.0 + _ATTN_BWD_RATIO_LITERATURE))
 #: collectives a layer forward launches per parallelism: TP 2 all-reduces (SP: 2 all-gathers +
 #: 2 reduce-scatters) [N21 sec. 2.3, K22 sec. 4.2.2]; EP a dispatch and a combine all-to-all [GS]
 TP_COLLECTIVES_PER_LAYER = 2.0
@@ -141,6 +156,16 @@ class Shapes(NamedTuple):
     is_moe: object           # 1 for a Mixture-of-Experts model
     frac_moe: object         # share of layers that are MoE
     is_mla: object           # 1 for multi-head latent attention
+    softmax_fallback: object  # 1 where unfused attention misses Megatron's fused softmax kernel
+
+
+def softmax_fallback(b, tp, M: dict, J: dict):
+    """1 where an unfused-attention plan runs Megatron's PyTorch softmax instead of the fused kernel: the
+    shape rules of the job (J["softmax_kernel_ok"]) hold but micro-batch x heads per TP rank is not a
+    multiple of the kernel's batches per block, or they do not hold (see SOFTMAX_FALLBACK_EXTRA_KERNELS)."""
+    batches = b * M["heads"] / tp
+    fused = J["softmax_kernel_ok"] * (jnp.mod(batches, J["softmax_batch_block"]) == 0)
+    return (1.0 - J["flash"]) * (1.0 - fused)
 
 
 def shapes(P: dict, M: dict, J: dict, e: EfficiencyParams) -> Shapes:
@@ -154,7 +179,8 @@ def shapes(P: dict, M: dict, J: dict, e: EfficiencyParams) -> Shapes:
         micro_batches=J["global_batch"] / (dp * b), tokens=T, tokens_elem=jnp.where(P["sp"] > 0, T / tp, T),
         routed_tokens=routed, expert_tokens=routed * ep * etp / jnp.maximum(M["experts"], 1.0),
         is_moe=(M["experts"] > 0).astype(jnp.float32), frac_moe=M["moe_layers"] / M["layers"],
-        is_mla=(M["q_down_n"] + M["kv_down_n"] > 0).astype(jnp.float32))
+        is_mla=(M["q_down_n"] + M["kv_down_n"] > 0).astype(jnp.float32),
+        softmax_fallback=softmax_fallback(b, tp, M, J))
 
 
 class LayerWork(NamedTuple):
@@ -211,8 +237,9 @@ def attention_core_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     head_eff = jnp.minimum(saturate(head_dim, ATTN_HEAD_DIM_HALF) / saturate(128.0, ATTN_HEAD_DIM_HALF), 1.0)
     t_fused = flops / (H["peak_bf16"] * e.attn_eff_max * head_eff * saturate(s / S.cp, e.attn_seq_half))
     scores = T * s * heads_local
+    softmax_bytes = e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_PER_SCORE
     t_unfused = (2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
-                 + scores * e.softmax_bytes_per_score / (H["hbm_bw"] * e.hbm_eff))
+                 + scores * softmax_bytes / (H["hbm_bw"] * e.hbm_eff))
     return jnp.where(J["flash"] > 0, t_fused, t_unfused)
 
 
@@ -263,9 +290,15 @@ def _tp_collectives(S: Shapes):
     return (S.tp > 1) * TP_COLLECTIVES_PER_LAYER * (1.0 + S.sp)
 
 
+def unfused_attention_kernels(S: Shapes, J: dict):
+    """Kernels unfused attention launches beyond a fused kernel's one, with Megatron's PyTorch softmax
+    where the fused softmax kernel does not apply."""
+    return (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_KERNELS
+
+
 def layer_kernels(S: Shapes, M: dict, J: dict):
     """Kernels (collectives included) a dense and an MoE layer launch forward, per micro-batch."""
-    dense = KERNELS_PER_LAYER + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS + _tp_collectives(S)
+    dense = KERNELS_PER_LAYER + unfused_attention_kernels(S, J) + _tp_collectives(S)
     moe = dense + moe_kernels(S, M, J) + (S.ep > 1) * EP_COLLECTIVES_PER_MOE_LAYER
     return dense, moe
 
@@ -273,7 +306,7 @@ def layer_kernels(S: Shapes, M: dict, J: dict):
 def attention_block_launches(S: Shapes, J: dict):
     """Kernels of a layer's attention block (what an attn CUDA graph captures), with its half of the TP
     collectives (each block has one, or one pair with SP)."""
-    return KERNELS_ATTN_BLOCK + (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS + _tp_collectives(S) / 2.0
+    return KERNELS_ATTN_BLOCK + unfused_attention_kernels(S, J) + _tp_collectives(S) / 2.0
 
 
 def host_kernels(S: Shapes, J: dict, n_dense, n_moe):

@@ -123,6 +123,11 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         optimizer_bytes=8.0 if prec is Precision.FP32 else 12.0,
         low_precision=float(prec in (Precision.FP8, Precision.FP4)),
         flash=float(j.flash_attention),
+        # Megatron's fused scale-mask-softmax: the job's shape rules (fp16/bf16 scores, 16 < sk <= 4096, sq and
+        # sk multiples of 4) and the kernel's batches per block, 8 for sk <= 128 (two rows per warp), else 4;
+        # the plan's micro-batch x heads per rank decides the rest (compute.softmax_fallback)
+        softmax_kernel_ok=float(prec is not Precision.FP32 and 16 < j.seq_len <= 4096 and j.seq_len % 4 == 0),
+        softmax_batch_block=8.0 if j.seq_len <= 128 else 4.0,
         tp_overlap=float(j.tp_comm_overlap),
         grad_bytes=j.framework.grad_bytes_per_param,
         # --overlap-grad-reduce / --overlap-param-gather (the second needs the first: Megatron asserts it)

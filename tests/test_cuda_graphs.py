@@ -33,6 +33,7 @@ MOE_PLAN = "tp=1,pp=1,ep=8,mbs=1,zero=1"
 class _Shapes:                         # the Shapes fields layer_kernels / host_kernels read
     def __init__(self, tp, sp, ep):
         self.tp, self.sp, self.ep = np.float32(tp), np.float32(sp), np.float32(ep)
+        self.softmax_fallback = np.float32(0.0)
 
 
 def _host_launches(fw: FrameworkSpec, tp=1, sp=0, ep=8, experts=64.0):

@@ -68,7 +68,7 @@ def test_waiting_is_never_faster(g_f, share_g, h_f, share_h, rest_g, rest_h):
 def test_pre_wait_launches_follow_the_graphs():
     # the attention block (8) with its TP pair (tp 2 + SP: 2 of 4 collectives), the pre-MLP norm, the
     # router (4) and the preprocess (2) are issued before the wait; graphs replace captured regions
-    S = NS(tp=np.float32(2.0), sp=np.float32(1.0), ep=np.float32(8.0))
+    S = NS(tp=np.float32(2.0), sp=np.float32(1.0), ep=np.float32(8.0), softmax_fallback=np.float32(0.0))
     eager = {"flash": 1.0, "cg_attn": 0.0, "cg_router": 0.0, "cg_preprocess": 0.0, "cg_whole": 0.0, "cg_iteration": 0.0}
     assert float(compute.moe_pre_sync_launches(S, eager)) == 8 + 2 + 1 + 4 + 2
     graphs = {**eager, "cg_attn": 1.0, "cg_router": 1.0, "cg_preprocess": 1.0}
