@@ -37,8 +37,9 @@ _DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16", Precision.FP32
 #: what the jax runner does, in Megatron's option names: one XLA program per step (Framework.JAX: no
 #: per-kernel host dispatch, no per-micro-batch Python), no TP-communication overlap (no TE userbuffers),
 #: fp32 gradient accumulation in a kernel of its own after each micro-batch's backward pass (sharded.py:
-#: loss_and_grads' scan adds the bf16 gradients to an fp32 accumulator), XLA schedules the DP collectives (not Megatron's bucketed overlap), and
-#: the pipeline is GPipe (sharded.py: every micro-batch's activations live until the backward pass)
+#: loss_and_grads' scan adds the bf16 gradients to an fp32 accumulator), XLA schedules the DP collectives
+#: (not Megatron's bucketed overlap), and the pipeline is GPipe (sharded.py: every micro-batch's activations
+#: live until the backward pass)
 RUN_FRAMEWORK = {"framework": "jax", "tp_comm_overlap": False, "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
                  "overlap_param_gather": False, "pipeline_schedule": "gpipe", "microbatch_grad_buffer": True,
                  "gradient_accumulation_fusion": False}
