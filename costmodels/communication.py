@@ -88,7 +88,7 @@ def layer_comm(S: Shapes, w: LayerWork, lt: LayerTimes, M: dict, H: dict, J: dic
     # (not the group's aggregate), so the ring runs at its slowest hop (a point-to-point)
     cp_raw = jnp.where(S.cp > 1, (S.cp - 1.0) * C.p2p_s(kv_bytes, S.tp, S.cp, H, link), 0.0)
     cp_fwd = jnp.maximum(cp_raw - e.cp_overlap * w.attn_core, (1.0 - e.cp_overlap) * cp_raw)
-    cp_bwd = jnp.maximum(2.0 * cp_raw - e.cp_overlap * e.attn_bwd_ratio * w.attn_core,
+    cp_bwd = jnp.maximum(2.0 * cp_raw - e.cp_overlap * w.attn_core_bwd,
                          (1.0 - e.cp_overlap) * 2.0 * cp_raw)
     # EP [GS]: dispatch + combine all-to-all per MoE layer forward (and the same backward); the flex
     # dispatcher sends a token to another node once, not once per expert there [DEP]

@@ -71,11 +71,15 @@ UNFUSED_ATTENTION_EXTRA_KERNELS = 4.0
 #: against 6 (counted from the ops; autograd replays each op's backward)
 SOFTMAX_FALLBACK_EXTRA_KERNELS = 4.0
 SOFTMAX_FALLBACK_EXTRA_BYTES_FWD, SOFTMAX_FALLBACK_EXTRA_BYTES_BWD = 36.0 - 4.0, 40.0 - 6.0
-#: attention's backward / forward ratio the bytes above are spread with (a forward-equivalent count, as
-#: attention_core_s charges the backward as attn_bwd_ratio x the forward; the literature 2.5, not fitted)
-_ATTN_BWD_RATIO_LITERATURE = 2.5
-SOFTMAX_FALLBACK_EXTRA_BYTES_PER_SCORE = ((SOFTMAX_FALLBACK_EXTRA_BYTES_FWD + SOFTMAX_FALLBACK_EXTRA_BYTES_BWD)
-                                          / (1.0 + _ATTN_BWD_RATIO_LITERATURE))
+#: Megatron's unfused core attention, backward bytes per score element against the forward's [K22 sec. 4.1;
+#: Megatron-LM legacy CoreAttention]. Forward: baddbmm writes the scores (2 B), the fused softmax reads and
+#: writes them (4), dropout reads, writes and keeps its mask (5), the PV bmm reads the probabilities (2): 13 B,
+#: the softmax_bytes_per_score prior. Backward: the PV bmm writes the probabilities' gradient (2) and reads the
+#: probabilities for dV (2), dropout's backward reads the gradient and its mask and writes (5), the softmax
+#: backward reads the gradient and its output and writes (6), the QK^T bmm's two backward GEMMs read the
+#: scores' gradient (2 + 2): 19 B. (Flash attention's attn_bwd_ratio, 2.5, counts a fused kernel that
+#: recomputes the scores; here the backward is two batched GEMMs per forward GEMM and these bytes.)
+UNFUSED_SOFTMAX_BWD_PER_FWD = 19.0 / 13.0
 #: collectives a layer forward launches per parallelism: TP 2 all-reduces (SP: 2 all-gathers +
 #: 2 reduce-scatters) [N21 sec. 2.3, K22 sec. 4.2.2]; EP a dispatch and a combine all-to-all [GS]
 TP_COLLECTIVES_PER_LAYER = 2.0
@@ -187,6 +191,7 @@ class LayerWork(NamedTuple):
     """Forward time of one layer's parts, per micro-batch (s)."""
     attn_proj: object        # QKV (or MLA down/up) and output projections
     attn_core: object        # softmax(QK^T)V
+    attn_core_bwd: object    # its backward
     mla_up: object           # MLA up-projections (what mla_up_proj recompute replays)
     mlp_dense: object
     mlp_moe: object          # routed experts + shared experts + router GEMM
@@ -226,21 +231,30 @@ def mla_up_projections_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyPara
 
 
 def attention_core_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
-    """Causal attention: each query sees s/2 keys on average (also per CP rank with 2*cp
-    load-balanced chunks); fused kernels run on bf16 tensor cores [FA]. Unfused attention computes
-    the whole s x s score matrix with batched GEMMs and memory-bound scale/mask/softmax/dropout
-    kernels [K22 sec. 4.1]."""
+    """Forward of the core attention (attention_core_fwd_bwd_s)."""
+    return attention_core_fwd_bwd_s(S, M, H, J, e)[0]
+
+
+def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
+    """Causal attention, forward and backward: each query sees s/2 keys on average (also per CP rank with
+    2*cp load-balanced chunks); fused kernels run on bf16 tensor cores [FA], backward attn_bwd_ratio x the
+    forward. Unfused attention computes the whole s x s score matrix with batched GEMMs and memory-bound
+    scale/mask/softmax/dropout kernels [K22 sec. 4.1]: backward two GEMMs per forward GEMM and
+    UNFUSED_SOFTMAX_BWD_PER_FWD of the forward's bytes (Megatron's PyTorch softmax where its fused kernel
+    does not take the shape: SOFTMAX_FALLBACK_*)."""
     s, T = J["seq_len"], S.tokens
     heads_local = M["heads"] / S.tp
     flops = 2.0 * T * (s / 2.0) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
     head_dim = 0.5 * (M["qk_head_dim"] + M["v_head_dim"])
     head_eff = jnp.minimum(saturate(head_dim, ATTN_HEAD_DIM_HALF) / saturate(128.0, ATTN_HEAD_DIM_HALF), 1.0)
     t_fused = flops / (H["peak_bf16"] * e.attn_eff_max * head_eff * saturate(s / S.cp, e.attn_seq_half))
-    scores = T * s * heads_local
-    softmax_bytes = e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_PER_SCORE
-    t_unfused = (2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
-                 + scores * softmax_bytes / (H["hbm_bw"] * e.hbm_eff))
-    return jnp.where(J["flash"] > 0, t_fused, t_unfused)
+    scores_per_bw = T * s * heads_local / (H["hbm_bw"] * e.hbm_eff)
+    t_bmm = 2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
+    fwd_bytes = e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_FWD
+    bwd_bytes = UNFUSED_SOFTMAX_BWD_PER_FWD * e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_BWD
+    fused = J["flash"] > 0
+    return (jnp.where(fused, t_fused, t_bmm + scores_per_bw * fwd_bytes),
+            jnp.where(fused, e.attn_bwd_ratio * t_fused, 2.0 * t_bmm + scores_per_bw * bwd_bytes))
 
 
 def dense_mlp_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
@@ -352,8 +366,9 @@ def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> Lay
     n_dense, n_moe = layer_kernels(S, M, J)
     host_dense, host_moe = host_kernels(S, J, n_dense, n_moe)
     down_dense, down_moe = mlp_down_s(S, M, H, J, e)
+    core_fwd, core_bwd = attention_core_fwd_bwd_s(S, M, H, J, e)
     return LayerWork(
-        attn_proj=attention_projections_s(S, M, H, J, e), attn_core=attention_core_s(S, M, H, J, e),
+        attn_proj=attention_projections_s(S, M, H, J, e), attn_core=core_fwd, attn_core_bwd=core_bwd,
         mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=dense_mlp_s(S, M, H, J, e),
         mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, elem_dense=elem_dense, elem_moe=elem_moe,
         kernels_dense=n_dense * e.kernel_overhead_s, kernels_moe=n_moe * e.kernel_overhead_s,
@@ -371,13 +386,12 @@ class LayerTimes(NamedTuple):
 
 
 def layer_times(w: LayerWork, e: EfficiencyParams) -> LayerTimes:
-    """Backward: two GEMMs (dgrad, wgrad) per forward GEMM and twice the memory-bound work; fused
-    attention backward ~2.5x its forward [FA]; every kernel has a backward counterpart pair."""
+    """Backward: two GEMMs (dgrad, wgrad) per forward GEMM and twice the memory-bound work; the core
+    attention's own backward (attention_core_fwd_bwd_s); every kernel has a backward counterpart pair."""
     fwd_dense = w.attn_proj + w.attn_core + w.mlp_dense + w.elem_attn + w.elem_dense + w.kernels_dense
     fwd_moe = w.attn_proj + w.attn_core + w.mlp_moe + w.elem_attn + w.elem_moe + w.kernels_moe
-    bwd_dense = 2.0 * (fwd_dense - w.attn_core - w.kernels_dense) + e.attn_bwd_ratio * w.attn_core \
-        + 2.0 * w.kernels_dense
-    bwd_moe = 2.0 * (fwd_moe - w.attn_core - w.kernels_moe) + e.attn_bwd_ratio * w.attn_core + 2.0 * w.kernels_moe
+    bwd_dense = 2.0 * (fwd_dense - w.attn_core - w.kernels_dense) + w.attn_core_bwd + 2.0 * w.kernels_dense
+    bwd_moe = 2.0 * (fwd_moe - w.attn_core - w.kernels_moe) + w.attn_core_bwd + 2.0 * w.kernels_moe
     return LayerTimes(fwd_dense, fwd_moe, bwd_dense, bwd_moe)
 
 

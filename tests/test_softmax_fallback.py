@@ -73,18 +73,36 @@ def _layer(tp, mbs, e=EfficiencyParams()):
 
 def test_the_fallback_costs_its_bytes_and_kernels():
     # the same layer shape with the fallback switched off by hand: the difference is the score matrix's extra
-    # traffic (forward 32 + backward 34 bytes per score, spread as forward-equivalents over 1 + 2.5) and 4 kernels
+    # traffic (forward 32, backward 34 bytes per score) and 4 kernels
     e = EfficiencyParams()
     S, M, H, J = _layer(tp=8, mbs=1, e=e)
     assert float(S.softmax_fallback[0]) == 1.0
     fused = S._replace(softmax_fallback=S.softmax_fallback * 0.0)
-    scores = 1024 * 1024 * 16 / 8                                      # tokens x keys x heads per rank
-    extra_s = scores * (32.0 + 34.0) / 3.5 / (CLUSTER.gpu.hbm_bandwidth_bytes_per_s * e.hbm_eff)
-    diff = compute.attention_core_s(S, M, H, J, e) - compute.attention_core_s(fused, M, H, J, e)
-    assert float(diff[0]) == pytest.approx(extra_s, rel=1e-4)
+    scores_s = 1024 * 1024 * 16 / 8 / (CLUSTER.gpu.hbm_bandwidth_bytes_per_s * e.hbm_eff)  # tokens x keys x heads
+    (f1, b1), (f0, b0) = (compute.attention_core_fwd_bwd_s(x, M, H, J, e) for x in (S, fused))
+    assert float(f1[0] - f0[0]) == pytest.approx(scores_s * 32.0, rel=1e-4)
+    assert float(b1[0] - b0[0]) == pytest.approx(scores_s * 34.0, rel=1e-4)
     n_fallback, _ = compute.layer_kernels(S, M, J)
     n_fused, _ = compute.layer_kernels(fused, M, J)
     assert float(n_fallback[0] - n_fused[0]) == 4.0
+
+
+def test_unfused_attention_backward_is_two_gemms_per_gemm_and_its_own_bytes():
+    # Megatron's unfused core attention (K22 sec. 4.1), counted op by op: forward the QK^T and PV batched GEMMs
+    # plus 13 B per score (baddbmm writes, softmax reads + writes, dropout reads + writes + mask, PV reads);
+    # backward two GEMMs per forward GEMM plus 19 B per score. Not flash attention's 2.5x of the forward.
+    e = EfficiencyParams()._replace(softmax_bytes_per_score=13.0)
+    S, M, H, J = _layer(tp=4, mbs=2, e=e)
+    assert float(S.softmax_fallback[0]) == 0.0
+    T, s, heads, d = 2 * 1024, 1024, 16 / 4, 1024 / 16
+    gpu = CLUSTER.gpu
+    bmm_flops = 2 * 2.0 * T * (s / 2) * heads * (2 * d)          # QK^T and PV over the whole s x s matrix
+    rate = gpu.peak_flops_bf16 * gpu.matmul_frac_bf16 * e.gemm_eff_max * d / (d + e.gemm_dim_half)
+    scores_s = T * s * heads / (gpu.hbm_bandwidth_bytes_per_s * e.hbm_eff)
+    fwd, bwd = compute.attention_core_fwd_bwd_s(S, M, H, J, e)
+    assert float(fwd[0]) == pytest.approx(bmm_flops / rate + 13.0 * scores_s, rel=1e-4)
+    assert float(bwd[0]) == pytest.approx(2.0 * bmm_flops / rate + 19.0 * scores_s, rel=1e-4)
+    assert float(bwd[0] / fwd[0]) < e.attn_bwd_ratio
 
 
 def test_vtrain_tp8_single_sequence_runs():
