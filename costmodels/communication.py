@@ -74,14 +74,25 @@ def layer_comm(S: Shapes, w: LayerWork, lt: LayerTimes, M: dict, H: dict, J: dic
     def exposed_bwd(t_comm, t_gemm):
         return exposed(t_comm, t_gemm) - async_share * jnp.minimum(e.tp_comm_overlap * t_comm, t_gemm)
 
+    # With SP a column-parallel layer does not keep its all-gathered input: its backward gathers it again for
+    # the weight gradient, issued before the input-gradient GEMM and run under it (Megatron-Core
+    # LinearWithGradAccumulationAndAsyncCommunication.backward; TE's layers the same): one all-gather (half a
+    # pair) per column-parallel layer, QKV and fc1 in a dense layer, QKV (and a shared expert's fc1) in an MoE one
+    regather = S.sp * 0.5 * tp_pair
+
+    def exposed_regather(n_layers, t_gemm):
+        t = n_layers * regather
+        return t - jnp.minimum(e.tp_comm_overlap * t, t_gemm)
+
     tp_dense = exposed(2.0 * tp_pair, w.attn_proj + w.mlp_dense)
-    tp_dense_bwd = exposed_bwd(2.0 * tp_pair, w.attn_proj + w.mlp_dense)
+    tp_dense_bwd = exposed_bwd(2.0 * tp_pair, w.attn_proj + w.mlp_dense) + exposed_regather(2.0, w.attn_proj + w.mlp_dense)
     etp_bytes = S.routed_tokens * S.etp * h * J["act_bytes"]
     t_etp = 2.0 * C.reduce_scatter_s(etp_bytes, S.etp, 1.0, H, link, lat)
     # shared experts are column/row-parallel over TP like a dense MLP: their own AG + RS pair
     has_shared = (M["shared_ffn"] > 0).astype(jnp.float32)
     tp_moe = exposed(tp_pair * (1.0 + has_shared) + t_etp, w.attn_proj + w.mlp_moe)
-    tp_moe_bwd = exposed_bwd(tp_pair * (1.0 + has_shared) + t_etp, w.attn_proj + w.mlp_moe)
+    tp_moe_bwd = (exposed_bwd(tp_pair * (1.0 + has_shared) + t_etp, w.attn_proj + w.mlp_moe)
+                  + exposed_regather(1.0 + has_shared, w.attn_proj + w.mlp_moe_shared))
     # CP ring attention [RA]: cp-1 exchanges of this rank's K,V block, hidden under attention
     kv_bytes = S.tokens * M["kv_exchange_elems"] / jnp.minimum(S.tp, M["kv_heads"]) * J["act_bytes"]
     # each step every rank sends its block to the next: a hop between nodes goes over one NIC

@@ -56,10 +56,10 @@ def test_usable_rows_are_scored_or_skipped_with_a_reason(public_result):
 
 
 def test_moe_public_runs_accuracy(public_result):
-    # a regression guard at today's level (17.0 % MAPE over 51 MoE runs with the shipped defaults,
+    # a regression guard at today's level (16.8 % MAPE over 51 MoE runs with the shipped defaults,
     # in-sample, each Bridge run with its recipe's dispatcher and EP overlap; 15.4 % when the defaults were
     # a warm-started chain of fits, before they became the fit from the literature prior; issue 11's target
-    # is 20 % out of sample (18.0 % LOSO), 15 % in-sample)
+    # is 20 % out of sample (17.9 % LOSO), 15 % in-sample)
     assert public_result["n_scored_moe"] == sum(1 for r in PUBLIC_ROWS if r["usable"] and r["model"]["num_experts"])
     assert public_result["mape_moe_pct"] <= 17.5
 
@@ -199,7 +199,7 @@ def test_korthikanti_table5_from_the_literature_and_measured_constants():
 
 def test_korthikanti_table5_with_the_shipped_defaults():
     # the same 8 never-fitted runs with the shipped constants, which are the fit of the other sources started
-    # from the literature prior (tests/benchmarks/fit_defaults.py): 3.34 %, max 6.4 %, the large runs too slow
+    # from the literature prior (tests/benchmarks/fit_defaults.py): 3.21 %, max 6.3 %, every run too slow
     # (issue 11's target is 3 %: 2.98 % before unfused attention's backward was counted op by op, which
     # improved every leave-one-source-out and leave-one-generation-out figure but moved the shared
     # gemm_eff_max fit 0.914 -> 0.900; 5.95 % while the defaults were a chain of warm-started fits)
