@@ -230,11 +230,6 @@ def mla_up_projections_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyPara
     return S.is_mla * (gemm(T, M["q_up_n"] / tp, M["q_up_k"]) + gemm(T, M["kv_up_n"] / tp, M["kv_up_k"]))
 
 
-def attention_core_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
-    """Forward of the core attention (attention_core_fwd_bwd_s)."""
-    return attention_core_fwd_bwd_s(S, M, H, J, e)[0]
-
-
 def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     """Causal attention, forward and backward: each query sees s/2 keys on average (also per CP rank with
     2*cp load-balanced chunks); fused kernels run on bf16 tensor cores [FA], backward attn_bwd_ratio x the

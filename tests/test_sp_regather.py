@@ -38,12 +38,16 @@ def _terms(sp: bool, e=EfficiencyParams()):
     return S, w, H, lc
 
 
+def _pair(H, e):
+    """One all-reduce of a sequence's activations (bf16) over the 8 TP ranks."""
+    return float(C.all_reduce_s(np.float32(4096 * MODEL.hidden_size * 2.0), np.float32(8), 1.0, H,
+                                (e.intra_bw_eff, e.inter_bw_eff), e.collective_latency_s))
+
+
 def test_the_backward_regathers_the_column_parallel_inputs():
     e = EfficiencyParams()
     S, w, H, lc = _terms(sp=True, e=e)
-    act = 4096 * MODEL.hidden_size * 2.0                                    # one sequence, bf16
-    pair = float(C.all_reduce_s(np.float32(act), np.float32(8), 1.0, H, (e.intra_bw_eff, e.inter_bw_eff),
-                                e.collective_latency_s))
+    pair = _pair(H, e)
     gemm = float(np.asarray(w.attn_proj + w.mlp_dense).ravel()[0])
     # forward: 2 pairs of AG + RS, not hidden (no userbuffers); backward the same with the column-parallel
     # layers' reduce-scatters (half of it) under the weight-gradient GEMMs, plus the two re-gathers
@@ -58,8 +62,7 @@ def test_no_regather_without_sequence_parallelism():
     # input gradients run under the weight-gradient GEMMs, nothing is gathered again
     e = EfficiencyParams()
     S, w, H, lc = _terms(sp=False, e=e)
-    pair = float(np.asarray(comm.C.all_reduce_s(np.float32(4096 * MODEL.hidden_size * 2.0), np.float32(8), 1.0, H,
-                                                (e.intra_bw_eff, e.inter_bw_eff), e.collective_latency_s)))
+    pair = _pair(H, e)
     gemm = float(np.asarray(w.attn_proj + w.mlp_dense).ravel()[0])
     assert float(np.asarray(lc.tp_dense_bwd).ravel()[0]) == pytest.approx(
         2.0 * pair - min(e.tp_comm_overlap * 2.0 * pair, gemm), rel=1e-4)
