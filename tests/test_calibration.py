@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from autotune.calibrate import DEFAULT_FIT, parameter_report
@@ -72,3 +73,19 @@ def test_calibrate_cli_reports_parameters_and_warnings(tmp_path):
     human = CliRunner().invoke(app, args)
     assert human.exit_code == 0, human.stderr
     assert "literature prior" in human.stdout and f"warning: {first}" in human.stdout
+
+
+def test_a_fit_without_steps_returns_its_start():
+    """The sigmoid reparametrization keeps every start off the bounds; it must not move one that sits near a
+    bound (the shipped step_overhead_s is 1.6 % of its range): zero Adam steps give the start back."""
+    from autotune.calibrate import build_cases, fit
+    from autotune.datasets import load_dataset
+    from costmodels.params import EfficiencyParams
+
+    start = EfficiencyParams()
+    assert (start.step_overhead_s - PARAM_BOUNDS["step_overhead_s"][0]) / (
+        PARAM_BOUNDS["step_overhead_s"][1] - PARAM_BOUNDS["step_overhead_s"][0]) < 0.02
+    cases = build_cases(load_dataset("public")[:4], start)
+    same = fit(cases, start, DEFAULT_FIT, steps=0)
+    for name in DEFAULT_FIT:
+        assert getattr(same, name) == pytest.approx(getattr(start, name), rel=1e-4), name
