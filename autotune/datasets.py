@@ -57,12 +57,12 @@ RECIPE_SETTINGS = "recipe_settings.json"
 LAUNCH_SETTINGS = "launch_settings.json"
 
 
-def _rows_of(name: str) -> dict:
+def _rows_of(name: str, block: str = "rows") -> dict:
     path = data_dir() / name
     if not path.is_file():
         return {}
     with open(path) as fh:
-        return json.load(fh).get("rows", {})
+        return json.load(fh).get(block, {})
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,6 +75,12 @@ def recipe_settings() -> dict:
 def launch_settings() -> dict:
     """Row id -> the settings its published launch script (or its framework's defaults of the time) ran with."""
     return _rows_of(LAUNCH_SETTINGS)
+
+
+@functools.lru_cache(maxsize=1)
+def launch_settings_by_source() -> dict:
+    """Source group -> the settings all of its runs ran with (where the source states them once for all)."""
+    return _rows_of(LAUNCH_SETTINGS, "sources")
 
 
 def load_dataset(name: str) -> list:

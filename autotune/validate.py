@@ -22,7 +22,7 @@ from costmodels.specs import (AttentionBackend, CudaGraphImpl, DispatcherType, F
                               ModelSpec, Precision, Recompute, SpecError, parse_cuda_graph_modules)
 from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
-from .datasets import gpu_generation, launch_settings, recipe_settings
+from .datasets import gpu_generation, launch_settings, launch_settings_by_source, recipe_settings
 from .problem import framework_spec
 from .files import read_json
 from .search import NothingFits, NoLegalPlan, exhaustive
@@ -253,8 +253,10 @@ _LORA = re.compile(r"\blora\b", re.IGNORECASE)
 
 def with_launch_settings(row: dict) -> tuple[dict, dict]:
     """The row with the plan (and model) values its published launch script or paper gives where the row
-    says null (autotune/data/launch_settings.json), and that entry (empty when there is none)."""
-    launch = launch_settings().get(row.get("id", ""), {})
+    says null (autotune/data/launch_settings.json: its own entry, else its source's), and that entry (empty
+    when there is none)."""
+    group = (row.get("source") or {}).get("group") if isinstance(row.get("source"), dict) else None
+    launch = launch_settings().get(row.get("id", "")) or launch_settings_by_source().get(group or "", {})
     if not launch:
         return row, launch
     out = dict(row)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autotune import api
-from autotune.datasets import launch_settings, load_dataset
+from autotune.datasets import launch_settings, launch_settings_by_source, load_dataset
 from autotune.validate import case_from_row, with_launch_settings
 from costmodels.params import EfficiencyParams
 
@@ -49,6 +49,26 @@ def test_the_readme_175b_run_is_the_2021_script_not_the_best_plan():
     case = case_from_row(ROWS["megatronlm-readme-gpt3-175b-1024a100"])
     assert (case.fixed["mbs"], case.fixed["vpp"], case.fixed["recompute"], case.fixed["sp"]) == (1, 1, 2, 0)
     assert case.problem.job.precision.value == "fp16" and case.filled == []
+
+
+def test_every_source_entry_names_a_bundled_source_and_its_evidence():
+    groups = {(r.get("source") or {}).get("group") for name in ("public", "small-scale") for r in load_dataset(name)}
+    entries = launch_settings_by_source()
+    assert entries
+    for group, entry in entries.items():
+        assert group in groups, group
+        prov = entry["provenance"]
+        assert prov["repo"] and len(prov["commit"]) == 40 and prov["files"] and prov["reading"]
+        assert set(entry) <= {"framework", "provenance"}       # settings only: never a plan or model value
+
+
+def test_vtrain_runs_reduce_fp16_gradients_once_after_the_backward():
+    # VIA-Research/vTrain @ f8dda847: all 1,548 validation configs set "use_gradient_bucket": false, and its
+    # simulator adds one fp16 all-reduce of each stage's parameters after the stage's last backward
+    row = load_dataset("small-scale")[0]
+    fw = case_from_row(row).problem.job.framework
+    assert fw.overlap_grad_reduce is False and fw.grad_reduce_in_fp32 is False
+    assert with_launch_settings(row)[1] == launch_settings_by_source()["vTrain measurements"]
 
 
 def test_rows_without_an_entry_are_untouched():
