@@ -59,7 +59,11 @@ def test_every_source_entry_names_a_bundled_source_and_its_evidence():
         assert group in groups, group
         prov = entry["provenance"]
         assert prov["repo"] and len(prov["commit"]) == 40 and prov["files"] and prov["reading"]
-        assert set(entry) <= {"framework", "provenance"}       # settings only: never a plan or model value
+        assert set(entry) <= {"framework", "plan", "provenance"}
+        for row in (r for name in ("public", "small-scale") for r in load_dataset(name)
+                    if (r.get("source") or {}).get("group") == group):
+            for key, val in (entry.get("plan") or {}).items():      # never overrides a published value
+                assert row["plan"].get(key) in (None, val), (row["id"], key)
 
 
 def test_vtrain_runs_reduce_fp16_gradients_once_after_the_backward():
@@ -68,6 +72,8 @@ def test_vtrain_runs_reduce_fp16_gradients_once_after_the_backward():
     row = load_dataset("small-scale")[0]
     fw = case_from_row(row).problem.job.framework
     assert fw.overlap_grad_reduce is False and fw.grad_reduce_in_fp32 is False
+    case = case_from_row(row)
+    assert case.fixed["zero"] == 0 and case.fixed["sp"] == 0 and not {"zero", "sp"} & set(case.filled)
     assert with_launch_settings(row)[1] == launch_settings_by_source()["vTrain measurements"]
 
 
