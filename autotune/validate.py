@@ -255,7 +255,8 @@ def with_launch_settings(row: dict) -> tuple[dict, dict]:
     """The row with the plan (and model) values its published launch script or paper gives where the row
     says null (autotune/data/launch_settings.json: its own entry, else its source's), and that entry (empty
     when there is none)."""
-    group = (row.get("source") or {}).get("group") if isinstance(row.get("source"), dict) else None
+    src = row.get("source")
+    group = src.get("group") if isinstance(src, dict) else None
     launch = launch_settings().get(row.get("id", "")) or launch_settings_by_source().get(group or "", {})
     if not launch:
         return row, launch

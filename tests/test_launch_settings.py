@@ -52,16 +52,16 @@ def test_the_readme_175b_run_is_the_2021_script_not_the_best_plan():
 
 
 def test_every_source_entry_names_a_bundled_source_and_its_evidence():
-    groups = {(r.get("source") or {}).get("group") for name in ("public", "small-scale") for r in load_dataset(name)}
+    rows = load_dataset("public") + load_dataset("small-scale")
     entries = launch_settings_by_source()
     assert entries
     for group, entry in entries.items():
-        assert group in groups, group
+        members = [r for r in rows if (r.get("source") or {}).get("group") == group]
+        assert members, group
         prov = entry["provenance"]
         assert prov["repo"] and len(prov["commit"]) == 40 and prov["files"] and prov["reading"]
         assert set(entry) <= {"framework", "plan", "provenance"}
-        for row in (r for name in ("public", "small-scale") for r in load_dataset(name)
-                    if (r.get("source") or {}).get("group") == group):
+        for row in members:
             for key, val in (entry.get("plan") or {}).items():      # never overrides a published value
                 assert row["plan"].get(key) in (None, val), (row["id"], key)
 
@@ -70,9 +70,9 @@ def test_vtrain_runs_reduce_fp16_gradients_once_after_the_backward():
     # VIA-Research/vTrain @ f8dda847: all 1,548 validation configs set "use_gradient_bucket": false, and its
     # simulator adds one fp16 all-reduce of each stage's parameters after the stage's last backward
     row = load_dataset("small-scale")[0]
-    fw = case_from_row(row).problem.job.framework
-    assert fw.overlap_grad_reduce is False and fw.grad_reduce_in_fp32 is False
     case = case_from_row(row)
+    fw = case.problem.job.framework
+    assert fw.overlap_grad_reduce is False and fw.grad_reduce_in_fp32 is False
     assert case.fixed["zero"] == 0 and case.fixed["sp"] == 0 and not {"zero", "sp"} & set(case.filled)
     assert with_launch_settings(row)[1] == launch_settings_by_source()["vTrain measurements"]
 
