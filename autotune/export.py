@@ -87,6 +87,24 @@ def _moe_layer_freq(model) -> str | None:
     return "[" + ",".join(map(str, pattern)) + "]"
 
 
+def _window_args(m) -> list:
+    """Megatron's sliding window: --window-size W,0 (W keys before each query) on every layer, or on all
+    but every k-th with --window-attn-skip-freq k (TransformerLayer: layer_number % k != 0, 1-based, the
+    pattern of Gemma-2 and GPT-OSS with k = 2 and of Gemma-3 with k = 6); refused when no k gives the
+    model's number of window layers."""
+    n, L = m.num_sliding_window_layers, m.num_layers
+    if not n:
+        return []
+    if n == L:
+        return ["--window-size", f"{m.sliding_window},0"]
+    # the cost depends on the count only; of the k that give it, the largest (Gemma-3's 6 at 12 layers, not 5)
+    freq = next((k for k in range(L, 1, -1) if L - L // k == n), None)
+    if freq is None:
+        raise ExportRefused("megatron", "model.sliding_window_layers", f"{n} of {L} layers with a window is not "
+                            "every layer but every k-th, which is what --window-attn-skip-freq can say")
+    return ["--window-size", f"{m.sliding_window},0", "--window-attn-skip-freq", freq]
+
+
 def megatron_model_args(problem: Problem) -> list:
     """Model shape flags for pretrain_gpt.py (a NullTokenizer of the model's vocabulary, so mock data
     runs without a tokenizer file)."""
@@ -100,6 +118,9 @@ def megatron_model_args(problem: Problem) -> list:
     a += ["--seq-length", job.seq_len, "--max-position-embeddings", max(job.seq_len, m.max_seq_len)]
     if m.gated_mlp:        # Llama-style: SwiGLU, RMSNorm, RoPE, no biases
         a += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
+        if m.position_embedding == "yarn":     # YaRN-scaled RoPE runs unfused (the cost model's rope_unfused)
+            a += ["--rope-type", "yarn", "--no-rope-fusion"]
+    a += _window_args(m)
     if not m.tied_embeddings:
         a += ["--untie-embeddings-and-output-weights"]
     a += ["--vocab-size", m.vocab_size, "--tokenizer-type", "NullTokenizer"]

@@ -28,7 +28,7 @@ from cli.options import (  # shared flags
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options_of,
 )
-from costmodels.specs import SpecError
+from costmodels.specs import Framework, SpecError
 
 app = typer.Typer(
     name="autotune",
@@ -70,11 +70,22 @@ def _problem(model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, 
 # ---------------------------------------------------------------------------------------------
 
 def sliding_window_note(problem) -> str:
-    """A note when the model's sliding window is shorter than the sequence (costed as full attention)."""
-    window = problem.model.sliding_window
-    if window and problem.job.seq_len > window:
-        return (f"Note: {problem.model.name} has a sliding attention window of {window:,} tokens; attention is "
-                f"costed as full causal attention over {problem.job.seq_len:,}, an upper bound.")
+    """A note when the model's sliding window is shorter than the sequence: what the cost model counts."""
+    m, seq = problem.model, problem.job.seq_len
+    window = m.sliding_window
+    if window and seq > window:
+        flash = ("fused attention computes only the key blocks inside the window there" if problem.job.flash_attention
+                 else "unfused attention still computes the whole score matrix and masks it")
+        return (f"Note: {m.name} has a sliding attention window of {window:,} tokens on "
+                f"{m.num_sliding_window_layers} of {m.num_layers} layers (sequence {seq:,}); {flash}.")
+    return ""
+
+
+def rope_note(problem) -> str:
+    """A note when Megatron runs the model's RoPE unfused (YaRN as its own position embedding)."""
+    if problem.model.position_embedding == "yarn" and problem.job.framework.framework is not Framework.JAX:
+        return (f"Note: {problem.model.name} uses YaRN-scaled RoPE, which Megatron runs unfused (PyTorch ops: "
+                "12 kernels per query or key tensor forward, 7 backward); costed.")
     return ""
 
 
@@ -300,8 +311,7 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {', '.join(saved)}" if saved else "Report not saved."))
     export_cmds.print_plan_lines(con, report)
-    note = sliding_window_note(problem)
-    if note:
+    for note in filter(None, [sliding_window_note(problem), rope_note(problem)]):
         con.print(Text(note))
 
 
@@ -355,7 +365,7 @@ def predict(
         mem = rep["memory_gb"]
         con = stdout_console()
         con.print(Text(f"Problem: {export_cmds.problem_text(problem)}."))
-        for line in filter(None, [sliding_window_note(problem)]):
+        for line in filter(None, [sliding_window_note(problem), rope_note(problem)]):
             con.print(Text(line))
         con.print(Text(f"Plan: --plan \"{plan_text(rep['plan'])}\""))
         con.print(Text(f"Plan {plan_text(rep['plan'])}: {rep['step_time_s']:.3f} s per step, "

@@ -94,6 +94,20 @@ ACT_BYTES = 2.0
 #: [FA3]; FlashAttention-2 on A100 ~0.85x [FA, Fig. 4]. Modeled as d/(d + 64) relative to d = 128
 #: (0.75x at 64), never above the head-dim-128 rate
 ATTN_HEAD_DIM_HALF = 64.0
+#: RoPE as Megatron-Core runs it unfused (rope_utils._apply_rotary_pos_emb_bshd, per query or key tensor
+#: of N elements, bf16): forward cos, sin, two mscale products and two casts of the small frequency table,
+#: then t*cos (read N, write N), the rotate-half's neg (N/2, N/2) and cat (N, N), *sin (N, N), the add
+#: (2N, N) and the closing cat (N, N): 12 kernels, 24N bytes, against the fused kernel's 1 and 4N;
+#: backward (autograd): two products (N, N each), the neg, the chunk's cat, the two paths' sum (2N, N) and
+#: the slice's zeros + copy: 7 kernels, 26N bytes, against 1 and 4N. Extra per layer (query and key):
+#: 22 + 12 launches and (20 + 22) bytes per rotated element. The layer's backward is costed as twice its
+#: forward on the GPU and once on the host, so the constants are the forward equivalents of those totals
+ROPE_UNFUSED_EXTRA_BYTES = (20.0 + 22.0) / 3.0
+ROPE_UNFUSED_EXTRA_LAUNCHES = (22.0 + 12.0) / 2.0
+#: keys per tile of the fused attention kernels: FlashAttention-2 picks key blocks of 64 or 128 by head
+#: dimension [FA, sec. 3.3], FlashAttention-3 128 [FA3]; a sliding window's first and last key blocks
+#: are computed whole and masked
+FLASH_KEY_BLOCK = 128.0
 
 
 def moe_load(J: dict, e: EfficiencyParams):
@@ -196,7 +210,8 @@ class LayerWork(NamedTuple):
     mlp_dense: object
     mlp_moe: object          # routed experts + shared experts + router GEMM
     mlp_moe_shared: object   # the shared experts' part of mlp_moe
-    elem_attn: object        # memory-bound work around attention (norms, residual, rope, casts)
+    elem_attn: object        # memory-bound work around attention (norms, residual, fused rope, casts)
+    rope: object             # RoPE run unfused, beyond the fused kernel elem_attn counts (rope_unfused_s)
     elem_dense: object       # activation function of a dense MLP (+ fp8 casts)
     elem_moe: object         # expert activations, (un)permute, router softmax/top-k (+ fp8 casts)
     kernels_dense: object    # launch + tail of a dense layer's kernels (GPU side)
@@ -230,10 +245,24 @@ def mla_up_projections_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyPara
     return S.is_mla * (gemm(T, M["q_up_n"] / tp, M["q_up_k"]) + gemm(T, M["kv_up_n"] / tp, M["kv_up_k"]))
 
 
+def fused_attention_keys_per_query(S: Shapes, M: dict, J: dict, e: EfficiencyParams):
+    """Keys a fused (flash) attention kernel computes per query, averaged over the layers, with its fixed
+    cost per query row counted as attn_seq_half / 2 keys. Causal: s/2 keys (also per CP rank with 2*cp
+    load-balanced chunks), with the per-row cost of each of the cp ring steps: s/2 + cp * attn_seq_half / 2,
+    which is s/2 / saturate(s/cp, attn_seq_half). A sliding-window layer: the kernel skips the key blocks
+    outside the window [FA sec. 3.1 block tiling; TE/cuDNN window_size], so it computes
+    ceil(w / block) + 1 blocks of FLASH_KEY_BLOCK keys per query block, of which the causal count above
+    leaves out half a block (the diagonal one's masked half): block * ceil(w / block) + block / 2."""
+    s, w = J["seq_len"], M["window"]
+    full = s / 2.0 + S.cp * e.attn_seq_half / 2.0
+    in_window = FLASH_KEY_BLOCK * jnp.ceil(w / FLASH_KEY_BLOCK) + FLASH_KEY_BLOCK / 2.0 + e.attn_seq_half / 2.0
+    return full + M["window_layer_frac"] * (jnp.minimum(in_window, full) - full)
+
+
 def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
-    """Causal attention, forward and backward: each query sees s/2 keys on average (also per CP rank with
-    2*cp load-balanced chunks); fused kernels run on bf16 tensor cores [FA], backward attn_bwd_ratio x the
-    forward. Unfused attention computes the whole s x s score matrix with batched GEMMs and memory-bound
+    """Causal attention, forward and backward: fused kernels compute fused_attention_keys_per_query keys
+    per query on bf16 tensor cores [FA], backward attn_bwd_ratio x the forward. Unfused attention computes
+    the whole s x s score matrix (a sliding window only masks it) with batched GEMMs and memory-bound
     scale/mask/softmax/dropout kernels [K22 sec. 4.1]: backward two GEMMs per forward GEMM and
     UNFUSED_SOFTMAX_BWD_PER_FWD of the forward's bytes (Megatron's PyTorch softmax where its fused kernel
     does not take the shape: SOFTMAX_FALLBACK_*)."""
@@ -242,7 +271,8 @@ def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: Efficiency
     flops = 2.0 * T * (s / 2.0) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
     head_dim = 0.5 * (M["qk_head_dim"] + M["v_head_dim"])
     head_eff = jnp.minimum(saturate(head_dim, ATTN_HEAD_DIM_HALF) / saturate(128.0, ATTN_HEAD_DIM_HALF), 1.0)
-    t_fused = flops / (H["peak_bf16"] * e.attn_eff_max * head_eff * saturate(s / S.cp, e.attn_seq_half))
+    fused_flops = 2.0 * T * fused_attention_keys_per_query(S, M, J, e) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
+    t_fused = fused_flops / (H["peak_bf16"] * e.attn_eff_max * head_eff)
     scores_per_bw = T * s * heads_local / (H["hbm_bw"] * e.hbm_eff)
     t_bmm = 2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
     fwd_bytes = e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_FWD
@@ -299,6 +329,16 @@ def _tp_collectives(S: Shapes):
     return (S.tp > 1) * TP_COLLECTIVES_PER_LAYER * (1.0 + S.sp)
 
 
+def unfused_rope(M: dict, J: dict):
+    """1 where an eager framework runs RoPE as PyTorch ops (an XLA-compiled step fuses them)."""
+    return M["rope_unfused"] * (1.0 - J["compiled_step"])
+
+
+def rope_unfused_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
+    """Memory-bound time of unfused RoPE beyond the fused kernel's, per layer forward (equivalent)."""
+    return unfused_rope(M, J) * S.tokens * M["rope_elems"] / S.tp * ROPE_UNFUSED_EXTRA_BYTES / (H["hbm_bw"] * e.hbm_eff)
+
+
 def unfused_attention_kernels(S: Shapes, J: dict):
     """Kernels unfused attention launches beyond a fused kernel's one, with Megatron's PyTorch softmax
     where the fused softmax kernel does not apply."""
@@ -307,24 +347,26 @@ def unfused_attention_kernels(S: Shapes, J: dict):
 
 def layer_kernels(S: Shapes, M: dict, J: dict):
     """Kernels (collectives included) a dense and an MoE layer launch forward, per micro-batch."""
-    dense = KERNELS_PER_LAYER + unfused_attention_kernels(S, J) + _tp_collectives(S)
+    dense = (KERNELS_PER_LAYER + unfused_attention_kernels(S, J) + unfused_rope(M, J) * ROPE_UNFUSED_EXTRA_LAUNCHES
+             + _tp_collectives(S))
     moe = dense + moe_kernels(S, M, J) + (S.ep > 1) * EP_COLLECTIVES_PER_MOE_LAYER
     return dense, moe
 
 
-def attention_block_launches(S: Shapes, J: dict):
+def attention_block_launches(S: Shapes, M: dict, J: dict):
     """Kernels of a layer's attention block (what an attn CUDA graph captures), with its half of the TP
     collectives (each block has one, or one pair with SP)."""
-    return KERNELS_ATTN_BLOCK + unfused_attention_kernels(S, J) + _tp_collectives(S) / 2.0
+    return (KERNELS_ATTN_BLOCK + unfused_attention_kernels(S, J) + unfused_rope(M, J) * ROPE_UNFUSED_EXTRA_LAUNCHES
+            + _tp_collectives(S) / 2.0)
 
 
-def host_kernels(S: Shapes, J: dict, n_dense, n_moe):
+def host_kernels(S: Shapes, M: dict, J: dict, n_dense, n_moe):
     """Launches the host issues per dense and per MoE layer forward (of the `layer_kernels` counts) with
     the job's CUDA graphs (encode.cuda_graph_capture, 0/1 per region): a captured region's kernels are
     replayed by one graph launch; a full-iteration graph replays the whole forward-backward (no per-layer
     launch). The TP collectives split evenly between the attention and the MLP block (each has one, or
     one pair with SP); with moe_router only, an MoE layer's MLP-side collectives stay in its eager dispatch."""
-    attn = attention_block_launches(S, J)
+    attn = attention_block_launches(S, M, J)
     router_side = J["cg_router"] * (NORM_KERNELS + MOE_ROUTER_KERNELS) + J["cg_preprocess"] * MOE_PREPROCESS_KERNELS
     moe_side = J["cg_moe"] * (n_moe - attn) + (1.0 - J["cg_moe"]) * router_side
     moe_graph = jnp.maximum(J["cg_moe"], jnp.maximum(J["cg_router"], J["cg_preprocess"]))
@@ -345,10 +387,10 @@ def mlp_down_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     return gemm(T, h, M["ffn"] / tp), moe
 
 
-def moe_pre_sync_launches(S: Shapes, J: dict):
+def moe_pre_sync_launches(S: Shapes, M: dict, J: dict):
     """Launches the host issues in an MoE layer forward before the dispatcher's host-device synchronization
     (the attention block, the pre-MLP norm, the router and the preprocess), with the job's CUDA graphs."""
-    attn = attention_block_launches(S, J)
+    attn = attention_block_launches(S, M, J)
     n = (attn * (1.0 - J["cg_attn"]) + J["cg_attn"] + (NORM_KERNELS + MOE_ROUTER_KERNELS) * (1.0 - J["cg_router"])
          + MOE_PREPROCESS_KERNELS * (1.0 - J["cg_preprocess"]) + jnp.maximum(J["cg_router"], J["cg_preprocess"])
          - J["cg_whole"])
@@ -359,17 +401,18 @@ def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> Lay
     elem_attn, elem_dense, elem_moe = elementwise_s(S, M, H, J, e)
     mlp_moe, mlp_moe_shared = moe_mlp_s(S, M, H, J, e)
     n_dense, n_moe = layer_kernels(S, M, J)
-    host_dense, host_moe = host_kernels(S, J, n_dense, n_moe)
+    host_dense, host_moe = host_kernels(S, M, J, n_dense, n_moe)
     down_dense, down_moe = mlp_down_s(S, M, H, J, e)
     core_fwd, core_bwd = attention_core_fwd_bwd_s(S, M, H, J, e)
     return LayerWork(
         attn_proj=attention_projections_s(S, M, H, J, e), attn_core=core_fwd, attn_core_bwd=core_bwd,
         mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=dense_mlp_s(S, M, H, J, e),
-        mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, elem_dense=elem_dense, elem_moe=elem_moe,
+        mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, rope=rope_unfused_s(S, M, H, J, e),
+        elem_dense=elem_dense, elem_moe=elem_moe,
         kernels_dense=n_dense * e.kernel_overhead_s, kernels_moe=n_moe * e.kernel_overhead_s,
         host_dense=host_dense * e.host_op_s, host_moe=host_moe * e.host_op_s,
         remat_skip_dense=J["compiled_step"] * down_dense, remat_skip_moe=J["compiled_step"] * down_moe,
-        host_moe_pre=moe_pre_sync_launches(S, J) * e.host_op_s)
+        host_moe_pre=moe_pre_sync_launches(S, M, J) * e.host_op_s)
 
 
 class LayerTimes(NamedTuple):
@@ -383,8 +426,8 @@ class LayerTimes(NamedTuple):
 def layer_times(w: LayerWork, e: EfficiencyParams) -> LayerTimes:
     """Backward: two GEMMs (dgrad, wgrad) per forward GEMM and twice the memory-bound work; the core
     attention's own backward (attention_core_fwd_bwd_s); every kernel has a backward counterpart pair."""
-    fwd_dense = w.attn_proj + w.attn_core + w.mlp_dense + w.elem_attn + w.elem_dense + w.kernels_dense
-    fwd_moe = w.attn_proj + w.attn_core + w.mlp_moe + w.elem_attn + w.elem_moe + w.kernels_moe
+    fwd_dense = w.attn_proj + w.attn_core + w.mlp_dense + w.elem_attn + w.rope + w.elem_dense + w.kernels_dense
+    fwd_moe = w.attn_proj + w.attn_core + w.mlp_moe + w.elem_attn + w.rope + w.elem_moe + w.kernels_moe
     bwd_dense = 2.0 * (fwd_dense - w.attn_core - w.kernels_dense) + w.attn_core_bwd + 2.0 * w.kernels_dense
     bwd_moe = 2.0 * (fwd_moe - w.attn_core - w.kernels_moe) + w.attn_core_bwd + 2.0 * w.kernels_moe
     return LayerTimes(fwd_dense, fwd_moe, bwd_dense, bwd_moe)

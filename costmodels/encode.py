@@ -43,6 +43,12 @@ def encode_model(m: ModelSpec) -> dict:
         # leading dense layers that sit together on the first stage (DeepSeek's first_k_dense_replace)
         dense_first=m.first_k_dense_layers if m.is_moe and m.moe_layer_freq == 1 else 0, hidden=h, heads=a, kv_heads=kv_heads,
         qk_head_dim=attn_q_heads_dim, v_head_dim=attn_v_dim,
+        window=m.sliding_window, window_layer_frac=m.num_sliding_window_layers / m.num_layers,
+        # elements per token RoPE rotates (all query and key heads; MLA: the decoupled rope parts), and whether
+        # Megatron must run it unfused (fused RoPE takes plain "rope" only: Megatron-Bridge's
+        # validate_rope_fusion_compatibility; Megatron-LM's GPT-OSS example passes --no-rope-fusion)
+        rope_elems=(a * m.qk_rope_head_dim + m.qk_rope_head_dim) if m.is_mla else (a + g) * d,
+        rope_unfused=float(m.position_embedding == "yarn"),
         ffn=m.ffn_hidden_size, vocab=m.vocab_size, gated=float(m.gated_mlp),
         tied=float(m.tied_embeddings),
         q_down_n=q_down_n, q_up_n=q_up_n, q_up_k=q_up_k, kv_down_n=kv_down_n, kv_up_n=kv_up_n,

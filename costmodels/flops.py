@@ -3,12 +3,15 @@ recomputation forward, for HFU).
 
 Source: [N21] Narayanan et al. 2021, eq. 3 generalized: 2 FLOPs per parameter per token forward for
 every GEMM (GQA, gated MLPs, top-k experts, shared experts and the router counted by their weights),
-causal attention 2 * (s/2) * a * (d_qk + d_v) per token and layer forward, the output layer 2hV;
-backward = 2x forward. Full recomputation replays the layers' forward, selective the --recompute-modules it names.
+causal attention 2 * (s/2) * a * (d_qk + d_v) per token and layer forward (a sliding-window layer: the
+mask's w(w+1)/2 + (s-w)w visible pairs per sequence, as Megatron-Bridge's GPT-OSS FLOPs count them), the
+output layer 2hV; backward = 2x forward. Full recomputation replays the layers' forward, selective the --recompute-modules it names.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import jax.numpy as jnp
 
 from .compute import Shapes
 
@@ -20,10 +23,18 @@ class LayerFlops(NamedTuple):
     core_attention: object
 
 
+def attended_keys_per_query(M: dict, J: dict):
+    """Keys each query attends to, averaged over the layers: s/2 causal, w - w(w-1)/(2s) in a window of
+    w < s keys (the mask's visible pairs per sequence / s)."""
+    s, w = J["seq_len"], M["window"]
+    in_window = jnp.where((w > 0) & (w < s), w - w * (w - 1.0) / (2.0 * s), s / 2.0)
+    return s / 2.0 + M["window_layer_frac"] * (in_window - s / 2.0)
+
+
 def layer_flops(S: Shapes, M: dict, J: dict) -> LayerFlops:
     h = M["hidden"]
     proj = 2.0 * M["attn_params"]
-    core = 2.0 * (J["seq_len"] / 2.0) * M["heads"] * (M["qk_head_dim"] + M["v_head_dim"])     # causal
+    core = 2.0 * attended_keys_per_query(M, J) * M["heads"] * (M["qk_head_dim"] + M["v_head_dim"])
     dense = proj + core + 2.0 * M["dense_mlp_params"]
     moe = proj + core + 2.0 * (M["top_k"] * M["expert_params"] + M["shared_ffn"] * h * (2.0 + M["gated"])
                                + M["router_params"])

@@ -72,7 +72,7 @@ def moe_host_sync(S, w, lt, lc, J, e) -> MoeSync:
     # hides less of it never lengthens the step (hypothesis found the case when it sat outside the cycle)
     g_f = lt.fwd_moe + lc.tp_moe + lc.ep_fwd + lc.cp_fwd
     h_f = w.host_moe
-    g_p = w.attn_proj + w.attn_core + w.elem_attn + lc.cp_fwd + compute.KERNELS_ATTN_BLOCK * e.kernel_overhead_s
+    g_p = w.attn_proj + w.attn_core + w.elem_attn + w.rope + lc.cp_fwd + compute.KERNELS_ATTN_BLOCK * e.kernel_overhead_s
     h_p = w.host_moe_pre
     cycle = jnp.maximum(h_f, jnp.maximum(h_f - h_p, g_f - g_p) + g_p) + e.host_op_s
     on = S.is_moe * (J["moe_capacity"] <= 0).astype(jnp.float32) * (1.0 - J["cg_iteration"])

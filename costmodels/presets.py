@@ -160,9 +160,11 @@ _MIXTRAL: _KeyTable = _DECODER | {
     "moe_ffn_hidden_size": (("intermediate_size",), _REQUIRED),
 }
 
-# GptOssConfig: as Mixtral; the Hub's config.json spells top-k both ways.
+# GptOssConfig: as Mixtral; the Hub's config.json spells top-k both ways; a 128-token sliding window
+# (GptOssConfig's default) on alternate layers.
 _GPT_OSS: _KeyTable = _MIXTRAL | {
     "experts_per_token": (("num_experts_per_tok", "experts_per_token"), _REQUIRED),
+    "sliding_window": (("sliding_window",), 128),
 }
 
 # Qwen2MoeConfig / Qwen3MoeConfig: intermediate_size is the dense MLP of mlp_only_layers; a
@@ -209,20 +211,35 @@ def _deepseek_moe_layer(i: int, get) -> bool:
             and i % get("moe_layer_freq", 1, int, 1) == 0)
 
 
+# Which layers use the sliding window when config.json has no `layer_types` list (transformers'
+# default layer_types of each config class); a family without one: every layer (Mistral).
+
+def _alternate_sliding_layer(i: int, get) -> bool:
+    # Gemma2Config / GptOssConfig: "sliding_attention" if bool((i + 1) % 2) else "full_attention"
+    return bool((i + 1) % 2)
+
+
+def _gemma3_sliding_layer(i: int, get) -> bool:
+    # Gemma3TextConfig: "sliding_attention" if bool((i + 1) % sliding_window_pattern), pattern 6
+    return bool((i + 1) % get("sliding_window_pattern", 6, int, 1))
+
+
 @dataclass(frozen=True)
 class _Family:
     keys: _KeyTable
     fixed: dict = field(default_factory=dict)            # ModelSpec fields set for the whole family
     moe_layer: Callable | None = None                    # (layer, get) -> is MoE; None: all layers
+    sliding_layer: Callable | None = None                # (layer, get) -> uses the window; None: all layers
 
 
 _FAMILIES: dict[str, _Family] = {
-    "gpt2": _Family(_GPT2, fixed={"gated_mlp": False, "tied_embeddings": True}),
+    "gpt2": _Family(_GPT2, fixed={"gated_mlp": False, "tied_embeddings": True,
+                                  "position_embedding": "learned_absolute"}),
     "llama": _Family(_DECODER),
     "mistral": _Family(_MISTRAL),
     "gemma": _Family(_GEMMA),
-    "gemma2": _Family(_GEMMA),
-    "gemma3_text": _Family(_GEMMA),
+    "gemma2": _Family(_GEMMA, sliding_layer=_alternate_sliding_layer),
+    "gemma3_text": _Family(_GEMMA, sliding_layer=_gemma3_sliding_layer),
     "qwen2": _Family(_DECODER),
     "qwen3": _Family(_DECODER),
     "mixtral": _Family(_MIXTRAL),
@@ -230,7 +247,7 @@ _FAMILIES: dict[str, _Family] = {
     "qwen3_moe": _Family(_QWEN_MOE, moe_layer=_qwen_moe_layer),
     "deepseek_v2": _Family(_DEEPSEEK, moe_layer=_deepseek_moe_layer),
     "deepseek_v3": _Family(_DEEPSEEK, moe_layer=_deepseek_moe_layer),
-    "gpt_oss": _Family(_GPT_OSS),
+    "gpt_oss": _Family(_GPT_OSS, sliding_layer=_alternate_sliding_layer),
 }
 
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
@@ -301,10 +318,42 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
     if fields_.get("num_experts", 0) > 0 and family.moe_layer is not None:
         moe = [i for i in range(fields_["num_layers"]) if family.moe_layer(i, get)]
         fields_ |= _moe_layout(moe, fields_["num_layers"], where) if moe else {"num_experts": 0}
+    if fields_.get("sliding_window", 0) > 0:
+        fields_["sliding_window_layers"] = _sliding_window_layers(cfg, family, fields_["num_layers"], get, where)
+    if _rope_type(cfg) == "yarn" and not fields_.get("kv_lora_rank"):
+        # Megatron builds YaRN as its own position embedding (Megatron-Bridge's GPT-OSS provider:
+        # position_embedding_type="yarn"); MLA models (DeepSeek) apply YaRN inside plain "rope"
+        fields_["position_embedding"] = "yarn"
     if fields_.get("num_experts", 0) == 0:               # dense: drop MoE fields a config may carry
         fields_ = {k: v for k, v in fields_.items() if k not in _MOE_FIELDS}
     fields_["hidden_dropout"] = _dropout(cfg, model_type, where)
     return ModelSpec(name=name, source=source, **fields_)
+
+
+def _rope_type(cfg: dict) -> str:
+    """config.json's rope_scaling type ('rope_type', older files 'type'); GptOssConfig's default is YaRN."""
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and cfg.get("model_type") == "gpt_oss":
+        return "yarn"
+    if not isinstance(scaling, dict):
+        return ""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    return kind if isinstance(kind, str) else ""
+
+
+def _sliding_window_layers(cfg: dict, family: _Family, num_layers: int, get, where: str) -> int:
+    """How many layers use the sliding window: config.json's `layer_types` ("sliding_attention" /
+    "full_attention" per layer) where given, else the family's default pattern, else every layer."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        kinds = ("sliding_attention", "full_attention")
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
+            raise SpecError("model", f"{where}: 'layer_types' must list {num_layers} entries, each "
+                            f"'sliding_attention' or 'full_attention'")
+        return types.count("sliding_attention")
+    if family.sliding_layer is None:
+        return num_layers
+    return sum(bool(family.sliding_layer(i, get)) for i in range(num_layers))
 
 
 def _dropout(cfg: dict, model_type: str, where: str) -> float:

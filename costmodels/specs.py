@@ -62,10 +62,14 @@ MAX_SIZE = {
     "num_experts": 2 ** 16, "experts_per_token": 2 ** 16, "moe_ffn_hidden_size": 2 ** 22,
     "num_shared_experts": 2 ** 10, "shared_expert_ffn_hidden_size": 2 ** 22, "first_k_dense_layers": 4096,
     "moe_layer_freq": 4096, "q_lora_rank": 2 ** 20, "kv_lora_rank": 2 ** 20, "qk_nope_head_dim": 2 ** 16,
-    "qk_rope_head_dim": 2 ** 16, "v_head_dim": 2 ** 16, "sliding_window": 2 ** 24,
+    "qk_rope_head_dim": 2 ** 16, "v_head_dim": 2 ** 16, "sliding_window": 2 ** 24, "sliding_window_layers": 4096,
     "gpus": 2 ** 24, "nvlink_domain_size": 2 ** 16, "gpus_per_node": 2 ** 16, "num_sites": 2 ** 10,
     "global_batch": 2 ** 31 - 1, "seq_len": 2 ** 24,
 }
+
+
+#: Megatron-Core GPTModel's position_embedding_type values the cost model tells apart
+POSITION_EMBEDDINGS = ("rope", "yarn", "learned_absolute")
 
 
 def check_size(name: str, value, field_name: str | None = None) -> None:
@@ -141,12 +145,17 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    # Sliding-window attention (Mistral-7B-v0.1, Gemma-2/3 local layers): keys per query, 0 = none.
-    # Recorded from the config; the cost model costs attention as full causal attention (an upper
-    # bound on attention time and memory when seq_len > sliding_window), and says so.
+    # Sliding-window attention (Mistral-7B-v0.1, Gemma-2/3 local layers, GPT-OSS): keys before each query
+    # the window reaches, 0 = none; sliding_window_layers: how many layers use it (None: every layer, as in
+    # Mistral; Gemma-2 and GPT-OSS alternate, Gemma-3 has 5 local layers per global one). The fused
+    # attention kernels skip the key blocks outside the window (compute.attention_keys_per_query).
     sliding_window: int = 0
+    sliding_window_layers: int | None = None
     # Megatron --hidden-dropout (its default is 0.1; Llama-style recipes set 0): dropout masks are kept
     hidden_dropout: float = 0.0
+    # Megatron's --position-embedding-type: rope, yarn (YaRN-scaled RoPE as its own embedding: GPT-OSS;
+    # MLA models apply YaRN inside plain "rope") or learned_absolute (GPT-2/3)
+    position_embedding: str = "rope"
     source: str = ""
 
     def __post_init__(self):
@@ -165,6 +174,15 @@ class ModelSpec:
                   "shared_expert_ffn_hidden_size", "first_k_dense_layers", "q_lora_rank",
                   "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window"):
             _non_negative(f, getattr(self, f))
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise SpecError("position_embedding", f"must be one of {', '.join(POSITION_EMBEDDINGS)}, "
+                            f"got {self.position_embedding!r}")
+        if self.sliding_window_layers is not None:
+            if not 0 <= self.sliding_window_layers <= self.num_layers:
+                raise SpecError("sliding_window_layers", f"must be in 0..num_layers={self.num_layers}, "
+                                f"got {self.sliding_window_layers}")
+            if self.sliding_window_layers and not self.sliding_window:
+                raise SpecError("sliding_window_layers", "needs a sliding_window (keys per query) > 0")
         if self.num_experts:
             if not 1 <= self.experts_per_token <= self.num_experts:
                 raise SpecError("experts_per_token", f"must be in 1..num_experts={self.num_experts}, "
@@ -181,6 +199,13 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def num_sliding_window_layers(self) -> int:
+        """Layers whose attention is limited to the sliding window (0 without one)."""
+        if not self.sliding_window:
+            return 0
+        return self.num_layers if self.sliding_window_layers is None else self.sliding_window_layers
 
     @property
     def is_mla(self) -> bool:

@@ -91,7 +91,7 @@ def test_step_time_of_every_run_without_full_recompute(runs):
     # per-step / per-micro-batch host work (with them: 1.1B runs +11..+26 %), and each micro-batch's gradients
     # are added to the fp32 accumulator by a kernel of their own (gradient_accumulation_fusion False: without
     # it the micro-batch-1 runs were -12 %). 11 runs, 1.1B and 8B, micro-batch 1-8, none / selective recompute:
-    # 3.9 % MAPE, max 9 %. (Not held: full recompute, +4..+23 %: the model charges a layer's forward but its
+    # 3.4 % MAPE, max 7 %. (Not held: full recompute, +3..+21 %: the model charges a layer's forward but its
     # MLP's down projection per recomputed layer, where the runs measured +7-12 % of the step; the rest is
     # not explained yet.)
     sel = [r for r in runs if "full" not in r["plan"]]

@@ -23,7 +23,7 @@ def _inputs(g_f, g_p, h_f, h_p, capacity=0.0, iteration_graph=0.0, host_op=0.05)
     """One MoE layer forward: GPU g_f in all (g_p of it before the wait: attention projections + core +
     its memory-bound work), host h_f (h_p before the wait)."""
     S = NS(is_moe=np.float32(1.0))
-    w = NS(attn_proj=np.float32(g_p * 0.6), attn_core=np.float32(g_p * 0.3), elem_attn=np.float32(g_p * 0.1),
+    w = NS(attn_proj=np.float32(g_p * 0.6), attn_core=np.float32(g_p * 0.3), elem_attn=np.float32(g_p * 0.1), rope=np.float32(0.0),
            host_moe=np.float32(h_f), host_moe_pre=np.float32(h_p))
     lt = NS(fwd_moe=np.float32(g_f - 0.5))
     lc = NS(tp_moe=np.float32(0.0), ep_fwd=np.float32(0.5), cp_fwd=np.float32(0.0))   # all-to-alls: dispatch + combine
@@ -69,9 +69,11 @@ def test_pre_wait_launches_follow_the_graphs():
     # the attention block (8) with its TP pair (tp 2 + SP: 2 of 4 collectives), the pre-MLP norm, the
     # router (4) and the preprocess (2) are issued before the wait; graphs replace captured regions
     S = NS(tp=np.float32(2.0), sp=np.float32(1.0), ep=np.float32(8.0), softmax_fallback=np.float32(0.0))
-    eager = {"flash": 1.0, "cg_attn": 0.0, "cg_router": 0.0, "cg_preprocess": 0.0, "cg_whole": 0.0, "cg_iteration": 0.0}
-    assert float(compute.moe_pre_sync_launches(S, eager)) == 8 + 2 + 1 + 4 + 2
+    eager = {"flash": 1.0, "cg_attn": 0.0, "cg_router": 0.0, "cg_preprocess": 0.0, "cg_whole": 0.0, "cg_iteration": 0.0,
+             "compiled_step": 0.0}
+    M = {"rope_unfused": 0.0}
+    assert float(compute.moe_pre_sync_launches(S, M, eager)) == 8 + 2 + 1 + 4 + 2
     graphs = {**eager, "cg_attn": 1.0, "cg_router": 1.0, "cg_preprocess": 1.0}
-    assert float(compute.moe_pre_sync_launches(S, graphs)) == 1 + 1
+    assert float(compute.moe_pre_sync_launches(S, M, graphs)) == 1 + 1
     whole = {**graphs, "cg_whole": 1.0}
-    assert float(compute.moe_pre_sync_launches(S, whole)) == 1
+    assert float(compute.moe_pre_sync_launches(S, M, whole)) == 1
