@@ -121,7 +121,7 @@ JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=
 HF_KEYS = ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
            "vocab_size", "head_dim", "max_position_embeddings", "num_local_experts", "num_experts_per_tok",
            "n_routed_experts", "moe_intermediate_size", "sliding_window", "tie_word_embeddings", "decoder_sparse_step",
-           "mlp_only_layers", "text_config"]
+           "mlp_only_layers", "text_config", "layer_types", "rope_scaling", "sliding_window_pattern"]
 LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1024,
          "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000}
 
@@ -130,7 +130,7 @@ LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 512, "int
 def hf_configs(draw):
     cfg = dict(LLAMA)
     cfg["model_type"] = draw(st.sampled_from(["llama", "mistral", "mixtral", "qwen3_moe", "deepseek_v3", "gemma2",
-                                              "gemma3", "gpt2", "bert", None]))
+                                              "gemma3", "gpt2", "gpt_oss", "bert", None]))
     for key in draw(st.lists(st.sampled_from(HF_KEYS), max_size=4, unique=True)):
         cfg[key] = draw(JSON_VALUES)
     return cfg
