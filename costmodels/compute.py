@@ -345,19 +345,19 @@ def unfused_attention_kernels(S: Shapes, J: dict):
     return (1.0 - J["flash"]) * UNFUSED_ATTENTION_EXTRA_KERNELS + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_KERNELS
 
 
-def layer_kernels(S: Shapes, M: dict, J: dict):
-    """Kernels (collectives included) a dense and an MoE layer launch forward, per micro-batch."""
-    dense = (KERNELS_PER_LAYER + unfused_attention_kernels(S, J) + unfused_rope(M, J) * ROPE_UNFUSED_EXTRA_LAUNCHES
-             + _tp_collectives(S))
-    moe = dense + moe_kernels(S, M, J) + (S.ep > 1) * EP_COLLECTIVES_PER_MOE_LAYER
-    return dense, moe
-
-
 def attention_block_launches(S: Shapes, M: dict, J: dict):
     """Kernels of a layer's attention block (what an attn CUDA graph captures), with its half of the TP
     collectives (each block has one, or one pair with SP)."""
     return (KERNELS_ATTN_BLOCK + unfused_attention_kernels(S, J) + unfused_rope(M, J) * ROPE_UNFUSED_EXTRA_LAUNCHES
             + _tp_collectives(S) / 2.0)
+
+
+def layer_kernels(S: Shapes, M: dict, J: dict):
+    """Kernels (collectives included) a dense and an MoE layer launch forward, per micro-batch: the
+    attention block and the MLP block, each with its half of the TP collectives."""
+    dense = attention_block_launches(S, M, J) + KERNELS_MLP_BLOCK + _tp_collectives(S) / 2.0
+    moe = dense + moe_kernels(S, M, J) + (S.ep > 1) * EP_COLLECTIVES_PER_MOE_LAYER
+    return dense, moe
 
 
 def host_kernels(S: Shapes, M: dict, J: dict, n_dense, n_moe):
