@@ -26,7 +26,7 @@ import shlex
 from dataclasses import dataclass
 
 from costmodels.plan import Plan, expand_layout
-from costmodels.specs import CudaGraphImpl, Framework, PipelineSchedule, Precision, Recompute, SpecError
+from costmodels.specs import CrossEntropyImpl, CudaGraphImpl, Framework, PipelineSchedule, Precision, Recompute, SpecError
 from search_spaces.space import Problem, check_plan
 
 TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed")
@@ -152,6 +152,10 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     if plan.pp > 1 and fw.pipeline_schedule is PipelineSchedule.GPIPE:
         raise ExportRefused(target, "pipeline_schedule=gpipe", "Megatron-Core schedules pipelines with 1F1B "
                             "(interleaved when vpp > 1); it has no GPipe schedule")
+    if fw.cross_entropy_loss_fusion and fw.cross_entropy_fusion_impl is CrossEntropyImpl.TE:
+        raise ExportRefused(target, "cross_entropy_fusion_impl=te", "Megatron-LM's arguments refuse Transformer "
+                            "Engine's fused cross entropy (arguments.py: stability issues); score the plan with "
+                            "--cross-entropy-fusion-impl native, or export --to bridge")
     if plan.zero == 2:
         raise ExportRefused(target, "zero=2", "ZeRO-2 exists only in DeepSpeed; Megatron has the distributed "
                             "optimizer (zero=1) and Megatron-FSDP (zero=3)")
@@ -202,6 +206,8 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     if fw.tp_comm_overlap:
         a += ["--tp-comm-overlap"]
     a += ["--attention-backend", fw.attention_backend.value]
+    if fw.cross_entropy_loss_fusion:     # Megatron's default is off; its default impl is native
+        a += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", fw.cross_entropy_fusion_impl.value]
     if problem.model.is_moe:
         a += ["--moe-token-dispatcher-type", fw.moe_token_dispatcher_type.value]
         if fw.moe_permute_fusion:        # Megatron's default is off (unfused: FrameworkSpec.moe_permute_fusion)
@@ -475,6 +481,9 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
         o += [("comm_overlap.overlap_moe_expert_parallel_comm", True)]
     if not fw.gradient_accumulation_fusion:
         o += [("model.gradient_accumulation_fusion", False)]
+    o += [("model.cross_entropy_loss_fusion", fw.cross_entropy_loss_fusion)]
+    if fw.cross_entropy_loss_fusion:
+        o += [("model.cross_entropy_fusion_impl", fw.cross_entropy_fusion_impl.value)]
     if fw.fp8_param_gather:
         o += [("model.fp8_param", True), ("ddp.fp8_param_gather", True)]
     if fw.cuda_graph_impl is not CudaGraphImpl.NONE:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 #: >= 3 measured plans, LOSO mean regret 3.7 %, median 0.0 %). Per-run absolute errors are larger
 #: (8-20 % LOSO MAPE) but are dominated by a per-source bias shared by all plans of a job, which
 #: cancels when two plans of the same job are compared; the ranking regret is what does not cancel.
-STEP_TIME_TIE_FRAC = 0.0367
+STEP_TIME_TIE_FRAC = 0.0385
 
 #: Default share of the device memory kept free (`--memory-headroom 5%`).
 DEFAULT_MEMORY_HEADROOM_FRAC = 0.05

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from costmodels.plan import Plan, parse_plan_text
 from costmodels.presets import build_cluster, load_model
-from costmodels.specs import (AttentionBackend, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec,
+from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec,
                               PipelineSchedule, Precision, SpecError, parse_cuda_graph_modules)
 from search_spaces.space import Problem, check_plan, complete_plan
 
@@ -51,7 +51,9 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    overlap_moe_expert_parallel_comm: bool | None = None,
                    gradient_accumulation_fusion: bool | None = None,
                    async_tensor_model_parallel_allreduce: bool | None = None,
-                   moe_permute_fusion: bool | None = None) -> FrameworkSpec:
+                   moe_permute_fusion: bool | None = None,
+                   cross_entropy_loss_fusion: bool | None = None,
+                   cross_entropy_fusion_impl: str | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
@@ -61,7 +63,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                                    overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
                                    gradient_accumulation_fusion=gradient_accumulation_fusion,
                                    async_tensor_model_parallel_allreduce=async_tensor_model_parallel_allreduce,
-                                   moe_permute_fusion=moe_permute_fusion).items()
+                                   moe_permute_fusion=moe_permute_fusion,
+                                   cross_entropy_loss_fusion=cross_entropy_loss_fusion).items()
              if v is not None}
     if framework is not None:
         given["framework"] = Framework.parse(framework)
@@ -75,6 +78,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
         given["moe_token_dispatcher_type"] = DispatcherType.parse(moe_token_dispatcher_type)
     if pipeline_schedule is not None:
         given["pipeline_schedule"] = PipelineSchedule.parse(pipeline_schedule)
+    if cross_entropy_fusion_impl is not None:
+        given["cross_entropy_fusion_impl"] = CrossEntropyImpl.parse(cross_entropy_fusion_impl)
     if cuda_graph_impl is not None or cuda_graph_modules:
         impl = CudaGraphImpl.parse(cuda_graph_impl) if cuda_graph_impl is not None else CudaGraphImpl.NONE
         mods = [cuda_graph_modules] if isinstance(cuda_graph_modules, str) else cuda_graph_modules

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from costmodels.plan import DEFAULT_RECOMPUTE_MODULES, Plan
-from costmodels.specs import (AttentionBackend, ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, Framework,
+from costmodels.specs import (AttentionBackend, ClusterSpec, CrossEntropyImpl, CudaGraphImpl, CudaGraphModule, DispatcherType, Framework,
                               FrameworkSpec, GPUSpec, JobSpec, ModelSpec, PipelineSchedule, Precision, Recompute,
                               SpecError)
 from search_spaces.space import Problem
@@ -35,6 +35,8 @@ def _framework(job: dict) -> FrameworkSpec:
         v["moe_token_dispatcher_type"] = DispatcherType.parse(v["moe_token_dispatcher_type"])
     if "pipeline_schedule" in v:
         v["pipeline_schedule"] = PipelineSchedule.parse(v["pipeline_schedule"])
+    if "cross_entropy_fusion_impl" in v:
+        v["cross_entropy_fusion_impl"] = CrossEntropyImpl.parse(v["cross_entropy_fusion_impl"])
     if "cuda_graph_impl" in v:
         v["cuda_graph_impl"] = CudaGraphImpl.parse(v["cuda_graph_impl"])
     if "cuda_graph_modules" in v:

@@ -18,7 +18,7 @@ import numpy as np
 from costmodels.params import EfficiencyParams
 from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, modules_mask
 from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
-from costmodels.specs import (AttentionBackend, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec,
+from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec,
                               ModelSpec, Precision, Recompute, SpecError, parse_cuda_graph_modules)
 from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
@@ -131,6 +131,14 @@ def is_nemo_recipe(row: dict) -> bool:
     text = f"{src.get('title', '')} {src.get('url', '')}".lower()
     return bool(_NEMO.search(text)) or "megatron-bridge" in text
 
+
+
+def is_bridge_recipe(row: dict) -> bool:
+    """A run of Megatron-Bridge's performance scripts: its GPTModelProvider turns
+    cross_entropy_loss_fusion on and scripts/performance/utils (helpers.py, later overrides.py) set
+    cross_entropy_fusion_impl="te" for every recipe (read at v0.2.0 and v0.4.0-v0.6.0)."""
+    src = row.get("source") or {}
+    return "megatron-bridge" in f"{src.get('title', '')} {src.get('url', '')}".lower()
 
 
 def _fp8_param_recipe(row: dict) -> bool:
@@ -305,6 +313,10 @@ def case_from_row(row: dict) -> RowCase:
         grad_reduce_in_fp32=not recipe and fw_kind.grad_reduce_in_fp32_default,
         # their delayed-scaling and MXFP8 recipes gather fp8 primary weights (mixed_precision.py)
         fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row),
+        # Megatron-Bridge runs Transformer Engine's fused cross entropy; every other source leaves it to
+        # the framework default of its time (Megatron-Core's: off; Megatron-DeepSpeed has none)
+        cross_entropy_loss_fusion=is_bridge_recipe(row),
+        cross_entropy_fusion_impl=CrossEntropyImpl.TE if is_bridge_recipe(row) else CrossEntropyImpl.NATIVE,
         **moe_recipe_options(row))
     if launch.get("framework"):       # the options its published launch script (or the code of its time) ran with
         stated = framework_spec(**launch["framework"])

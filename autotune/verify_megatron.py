@@ -53,7 +53,8 @@ def megatron_framework(problem: Problem) -> dict:
             "cuda_graph_impl": fw.cuda_graph_impl.value, "cuda_graph_modules": [m.value for m in fw.cuda_graph_modules],
             "overlap_moe_expert_parallel_comm": fw.overlap_moe_expert_parallel_comm,
             "gradient_accumulation_fusion": fw.gradient_accumulation_fusion,
-            "moe_permute_fusion": fw.moe_permute_fusion}
+            "moe_permute_fusion": fw.moe_permute_fusion, "cross_entropy_loss_fusion": fw.cross_entropy_loss_fusion,
+            "cross_entropy_fusion_impl": fw.cross_entropy_fusion_impl.value}
 
 
 def log_measurement(log_path: str, warmup: int) -> tuple[Measured, dict]:

@@ -17,7 +17,7 @@ from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, P
                          IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
-                         MoePermuteFusionOpt, CudaGraphImplOpt,
+                         MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt, CudaGraphImplOpt,
                          CudaGraphModulesOpt, framework_options_of)
 from costmodels.specs import SpecError
 
@@ -57,6 +57,8 @@ def explain(
     overlap_param_gather: OverlapParamGatherOpt = None,
     gradient_accumulation_fusion: GradAccFusionOpt = None,
     moe_permute_fusion: MoePermuteFusionOpt = None,
+    cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
+    cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -217,6 +219,8 @@ def whatif(
     overlap_param_gather: OverlapParamGatherOpt = None,
     gradient_accumulation_fusion: GradAccFusionOpt = None,
     moe_permute_fusion: MoePermuteFusionOpt = None,
+    cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
+    cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -24,7 +24,7 @@ from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineError
 from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
-    OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt,
+    OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options_of,
 )
@@ -187,6 +187,8 @@ def search(
     overlap_param_gather: OverlapParamGatherOpt = None,
     gradient_accumulation_fusion: GradAccFusionOpt = None,
     moe_permute_fusion: MoePermuteFusionOpt = None,
+    cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
+    cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
@@ -342,6 +344,8 @@ def predict(
     overlap_param_gather: OverlapParamGatherOpt = None,
     gradient_accumulation_fusion: GradAccFusionOpt = None,
     moe_permute_fusion: MoePermuteFusionOpt = None,
+    cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
+    cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -41,6 +41,8 @@ OverlapGradReduceOpt = Annotated[Optional[bool], typer.Option("--overlap-grad-re
 OverlapParamGatherOpt = Annotated[Optional[bool], typer.Option("--overlap-param-gather/--no-overlap-param-gather", help="Megatron --overlap-param-gather (distributed optimizer; needs --overlap-grad-reduce): parameter all-gather under the first forward. Default here on.")]
 GradAccFusionOpt = Annotated[Optional[bool], typer.Option("--gradient-accumulation-fusion/--no-gradient-accumulation-fusion", help="Megatron's weight-gradient GEMMs accumulate into the fp32 main gradients (default on; off adds a memory-bound pass per micro-batch, as 2021 Megatron-LM ran; --framework jax defaults to off: a JAX trainer adds each micro-batch's gradients after its backward pass).")]
 MoePermuteFusionOpt = Annotated[Optional[bool], typer.Option("--moe-permute-fusion/--no-moe-permute-fusion", help="Megatron --moe-permute-fusion: Transformer Engine's fused token permute / unpermute (default on here, as the NeMo / Megatron-Bridge MoE recipes run it; Megatron's own default is off: unfused, the tokens' way back is an atomic scatter-add).")]
+CrossEntropyFusionOpt = Annotated[Optional[bool], typer.Option("--cross-entropy-loss-fusion/--no-cross-entropy-loss-fusion", help="Megatron --cross-entropy-loss-fusion: the vocab-parallel cross entropy as fused kernels (default on here, as Megatron-Bridge runs it; Megatron's own default is off: PyTorch ops over an fp32 copy of the logits, 52 B per logit).")]
+CrossEntropyImplOpt = Annotated[Optional[str], typer.Option("--cross-entropy-fusion-impl", help="native (Megatron-Core's jit-fused, default) or te (Transformer Engine's kernels: no fp32 copy of the logits; Megatron-Bridge's performance scripts; Megatron-LM's own arguments refuse it).")]
 EpOverlapOpt = Annotated[Optional[bool], typer.Option("--overlap-moe-expert-parallel-comm/--no-overlap-moe-expert-parallel-comm", help="Megatron's batch-level EP overlap: each micro-batch's all-to-alls under another's compute (needs ep > 1, vpp > 1 with pp). Default off.")]
 
 CudaGraphImplOpt = Annotated[Optional[str], typer.Option("--cuda-graph-impl", help="Megatron CUDA graphs: none (default), "
@@ -55,7 +57,8 @@ CudaGraphModulesOpt = Annotated[Optional[list[str]], typer.Option(
 FRAMEWORK_FLAGS = ("framework", "attention_backend", "tp_comm_overlap", "grad_reduce_in_bf16", "fp8_param_gather",
                    "moe_token_dispatcher_type", "cuda_graph_impl", "cuda_graph_modules",
                    "overlap_moe_expert_parallel_comm", "overlap_grad_reduce", "overlap_param_gather",
-                   "gradient_accumulation_fusion", "moe_permute_fusion")
+                   "gradient_accumulation_fusion", "moe_permute_fusion", "cross_entropy_loss_fusion",
+                   "cross_entropy_fusion_impl")
 
 
 def framework_options_of(values: dict) -> dict:
@@ -66,7 +69,8 @@ def framework_options_of(values: dict) -> dict:
 def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce_in_bf16, fp8_param_gather,
                       moe_token_dispatcher_type, cuda_graph_impl=None, cuda_graph_modules=None,
                       overlap_moe_expert_parallel_comm=None, overlap_grad_reduce=None,
-                      overlap_param_gather=None, gradient_accumulation_fusion=None, moe_permute_fusion=None) -> dict:
+                      overlap_param_gather=None, gradient_accumulation_fusion=None, moe_permute_fusion=None,
+                      cross_entropy_loss_fusion=None, cross_entropy_fusion_impl=None) -> dict:
     """The framework flags as `api.build_problem(framework=...)` takes them."""
     return {"framework": framework, "attention_backend": attention_backend, "tp_comm_overlap": tp_comm_overlap,
             "grad_reduce_in_fp32": None if grad_reduce_in_bf16 is None else not grad_reduce_in_bf16,
@@ -74,4 +78,5 @@ def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce
             "cuda_graph_impl": cuda_graph_impl, "cuda_graph_modules": cuda_graph_modules,
             "overlap_moe_expert_parallel_comm": overlap_moe_expert_parallel_comm,
             "overlap_grad_reduce": overlap_grad_reduce, "overlap_param_gather": overlap_param_gather,
-            "gradient_accumulation_fusion": gradient_accumulation_fusion, "moe_permute_fusion": moe_permute_fusion}
+            "gradient_accumulation_fusion": gradient_accumulation_fusion, "moe_permute_fusion": moe_permute_fusion,
+            "cross_entropy_loss_fusion": cross_entropy_loss_fusion, "cross_entropy_fusion_impl": cross_entropy_fusion_impl}

@@ -453,8 +453,18 @@ def selective_recompute_s(S: Shapes, w: LayerWork):
             + fm * (r.moe * moe_block + (1.0 - r.moe) * (r.moe_act * w.elem_moe + r.shared_experts * shared)))
 
 
-#: bytes moved per logit by the fp32 softmax cross-entropy: 4 passes over fp32 values
-LOSS_BYTES_PER_LOGIT = 4.0 * 4.0
+#: HBM bytes per logit of the vocab-parallel cross entropy, forward + backward, counted op by op.
+#: Unfused (Megatron's tensor_parallel/cross_entropy.py, also Megatron-DeepSpeed's): the fp32 copy
+#: (read 2, write 4), max (4), subtract (4 + 4), exp (4 + 4), sum (4), divide (4 + 4) = 38 forward;
+#: backward the multiply by the loss gradient (4 + 4) and the copy's gradient cast back (4 + 2) = 14.
+#: Megatron-Core's fused "native" (core/fusions/fused_cross_entropy.py, jit-fused): the fp32 copy with
+#: its max (2 + 4), subtract-exp-sum in one pass (4 + 4), divide (4 + 4); backward one pass to bf16
+#: (4 + 2) = 28. Transformer Engine's (pytorch/triton/cross_entropy.py, v2.7-v2.17, the containers of
+#: the Megatron-Bridge tables): an online-softmax pass (2), the loss pass writing the gradient into the
+#: bf16 logits (2 + 2), backward the in-place multiply (2 + 2) = 10 (TE 2.18 keeps an fp32 gradient:
+#: 22). An XLA-compiled step (the jax runner's fp32 logits): two reductions (4 + 4) and the fused
+#: softmax-minus-one-hot gradient (4 + 2) = 14
+LOSS_BYTES_PER_LOGIT = {"unfused": 52.0, "native": 28.0, "te": 10.0, "xla": 14.0}
 #: bytes per token per hidden unit of the embedding: bf16 lookup (2) + fp32 scatter-add of its
 #: gradient (4)
 EMBEDDING_BYTES_PER_H = 2.0 + 4.0
@@ -470,5 +480,5 @@ def head_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> Head
     gemm, T, tp = _gemm(S, H, J, e), S.tokens, S.tp
     bw = H["hbm_bw"] * e.hbm_eff
     return HeadWork(logits_fwd=gemm(T, M["vocab"] / tp, M["hidden"]),
-                    loss=T * M["vocab"] / tp * LOSS_BYTES_PER_LOGIT / bw,
+                    loss=T * M["vocab"] / tp * J["loss_bytes"] / bw,
                     embedding=T * M["hidden"] * EMBEDDING_BYTES_PER_H / bw)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import compute
 from .specs import ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, Framework, FrameworkSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
 
 
@@ -112,6 +113,17 @@ def cuda_graph_capture(fw: FrameworkSpec) -> dict:
     return {k: float(v) for k, v in vals.items()}
 
 
+def cross_entropy_kind(fw: FrameworkSpec) -> str:
+    """The cross entropy the framework runs (a key of compute.LOSS_BYTES_PER_LOGIT): Megatron-Core's
+    --cross-entropy-loss-fusion / --cross-entropy-fusion-impl; Megatron-DeepSpeed has only the unfused
+    one; an XLA-compiled step fuses its own."""
+    if fw.framework is Framework.JAX:
+        return "xla"
+    if fw.framework is Framework.MEGATRON and fw.cross_entropy_loss_fusion:
+        return fw.cross_entropy_fusion_impl.value
+    return "unfused"
+
+
 def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = None) -> dict:
     prec = j.precision
     peak = c.gpu.peak_flops(prec)
@@ -149,6 +161,9 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         fp8_param=float(j.framework.fp8_param_gather),
         ep_a2a_overlap=float(j.framework.overlap_moe_expert_parallel_comm),
         permute_fusion=float(j.framework.moe_permute_fusion),
+        loss_bytes=compute.LOSS_BYTES_PER_LOGIT[cross_entropy_kind(j.framework)],
+        # TE's fused cross entropy writes the gradient into the bf16 logits: no fp32 copy is kept
+        logits_fp32_copy=float(cross_entropy_kind(j.framework) != "te"),
         flex_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.FLEX),
         allgather_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.ALLGATHER),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,

@@ -154,8 +154,10 @@ FIXED_BYTES = 3.0e9
 
 def logits_bytes(S: Shapes, M: dict, J: dict):
     """Logits kept for the loss on the last rank: bf16 logits + fp32 copy (6 bytes per element); in
-    fp32 training the GEMM's output is already fp32 and no copy is made (4)."""
-    per_elem = jnp.where(J["act_bytes"] >= LOGITS_FP32_BYTES, 0.0, J["act_bytes"]) + LOGITS_FP32_BYTES
+    fp32 training the GEMM's output is already fp32 and no copy is made (4); Transformer Engine's fused
+    cross entropy computes in registers and writes the gradient into the bf16 logits (2)."""
+    copy = J["logits_fp32_copy"] * LOGITS_FP32_BYTES
+    per_elem = jnp.where(J["act_bytes"] >= LOGITS_FP32_BYTES, LOGITS_FP32_BYTES, J["act_bytes"] + copy)
     return S.tokens * M["vocab"] / S.tp * per_elem
 
 

@@ -413,6 +413,17 @@ class AttentionBackend(enum.Enum):
         return self is not AttentionBackend.UNFUSED
 
 
+class CrossEntropyImpl(enum.Enum):
+    """Megatron-Core --cross-entropy-fusion-impl: which fused vocab-parallel cross entropy
+    --cross-entropy-loss-fusion runs (model_parallel_config.py)."""
+    NATIVE = "native"           # Megatron-Core's jit-fused PyTorch (core/fusions/fused_cross_entropy.py)
+    TE = "te"                   # Transformer Engine's Triton kernels (pytorch/triton/cross_entropy.py)
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "cross_entropy_fusion_impl") -> "CrossEntropyImpl":
+        return _parse_enum(cls, text, field_name)
+
+
 class DispatcherType(enum.Enum):
     """Megatron-Core --moe-token-dispatcher-type: how MoE tokens reach their experts."""
     ALLTOALL = "alltoall"
@@ -556,6 +567,13 @@ class FrameworkSpec:
     # weighted expert outputs back (its backward a gather). On here: the NeMo / Megatron-Bridge MoE
     # providers set it (Qwen3, GPT-OSS, DeepSeek), and the exporter emits it
     moe_permute_fusion: bool = True
+    # --cross-entropy-loss-fusion (Megatron-Core's default off; Megatron-Bridge's GPTModelProvider sets it on,
+    # and its performance scripts pick --cross-entropy-fusion-impl te): the vocab-parallel cross entropy as
+    # fused kernels instead of PyTorch ops over an fp32 copy of the logits (compute.LOSS_BYTES_PER_LOGIT).
+    # On here: a tuner recommends the fast setting and the exporter emits it. A Megatron-Core option only:
+    # Megatron-DeepSpeed always runs the unfused one and an XLA-compiled step fuses its own
+    cross_entropy_loss_fusion: bool = True
+    cross_entropy_fusion_impl: CrossEntropyImpl = CrossEntropyImpl.NATIVE
 
     def __post_init__(self):
         cf = self.moe_expert_capacity_factor
@@ -564,9 +582,12 @@ class FrameworkSpec:
         self._check_cuda_graphs()
         for f in ("tp_comm_overlap", "grad_reduce_in_fp32", "fp8_param_gather", "overlap_grad_reduce",
                   "overlap_param_gather", "microbatch_grad_buffer", "overlap_moe_expert_parallel_comm",
-                  "gradient_accumulation_fusion", "async_tensor_model_parallel_allreduce", "moe_permute_fusion"):
+                  "gradient_accumulation_fusion", "async_tensor_model_parallel_allreduce", "moe_permute_fusion",
+                  "cross_entropy_loss_fusion"):
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
+        if not isinstance(self.cross_entropy_fusion_impl, CrossEntropyImpl):
+            raise SpecError("cross_entropy_fusion_impl", f"must be a CrossEntropyImpl, got {self.cross_entropy_fusion_impl!r}")
         if self.overlap_moe_expert_parallel_comm:
             if self.framework is not Framework.MEGATRON:
                 raise SpecError("overlap_moe_expert_parallel_comm", f"is a Megatron-Core option; {self.framework.value} "

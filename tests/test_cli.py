@@ -64,7 +64,8 @@ FRAMEWORK_OPTIONS = {"--framework", "--attention-backend", "--tp-comm-overlap", 
                      "--moe-token-dispatcher-type", "--overlap-moe-expert-parallel-comm", "--no-overlap-moe-expert-parallel-comm", "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-scope",
                      "--overlap-grad-reduce", "--no-overlap-grad-reduce", "--overlap-param-gather",
                      "--no-overlap-param-gather", "--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion",
-                     "--moe-permute-fusion", "--no-moe-permute-fusion"}
+                     "--moe-permute-fusion", "--no-moe-permute-fusion", "--cross-entropy-loss-fusion",
+                     "--no-cross-entropy-loss-fusion", "--cross-entropy-fusion-impl"}
 SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
