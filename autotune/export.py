@@ -206,8 +206,8 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     if fw.tp_comm_overlap:
         a += ["--tp-comm-overlap"]
     a += ["--attention-backend", fw.attention_backend.value]
-    if fw.cross_entropy_loss_fusion:     # Megatron's default is off; its default impl is native
-        a += ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", fw.cross_entropy_fusion_impl.value]
+    if fw.cross_entropy_loss_fusion:     # Megatron's default is off; native (the only impl it accepts) its default,
+        a += ["--cross-entropy-loss-fusion"]    # so Megatron-LM from before --cross-entropy-fusion-impl runs it too
     if problem.model.is_moe:
         a += ["--moe-token-dispatcher-type", fw.moe_token_dispatcher_type.value]
         if fw.moe_permute_fusion:        # Megatron's default is off (unfused: FrameworkSpec.moe_permute_fusion)
