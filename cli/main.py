@@ -89,6 +89,19 @@ def rope_note(problem) -> str:
     return ""
 
 
+def cross_entropy_note(problem) -> str:
+    """A note when the job runs the unfused vocab-parallel cross entropy (Megatron without
+    --cross-entropy-loss-fusion, or Megatron-DeepSpeed, which has no fused one)."""
+    from costmodels.encode import cross_entropy_kind
+    fw = problem.job.framework
+    if cross_entropy_kind(fw) != "unfused":
+        return ""
+    fix = ("Megatron-DeepSpeed has no fused one" if fw.framework is Framework.DEEPSPEED
+           else "--cross-entropy-loss-fusion moves 28")
+    return (f"Note: the loss runs unfused (PyTorch ops over an fp32 copy of the {problem.model.vocab_size:,}-wide "
+            f"logits, 52 B per logit forward + backward; {fix}); costed.")
+
+
 def _space_line(space: dict, elapsed_s: float) -> str:
     illegal = space.get("illegal") or {}
     reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(illegal.items(), key=lambda kv: -kv[1]))
@@ -313,7 +326,7 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {', '.join(saved)}" if saved else "Report not saved."))
     export_cmds.print_plan_lines(con, report)
-    for note in filter(None, [sliding_window_note(problem), rope_note(problem)]):
+    for note in filter(None, [sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem)]):
         con.print(Text(note))
 
 
@@ -369,7 +382,7 @@ def predict(
         mem = rep["memory_gb"]
         con = stdout_console()
         con.print(Text(f"Problem: {export_cmds.problem_text(problem)}."))
-        for line in filter(None, [sliding_window_note(problem), rope_note(problem)]):
+        for line in filter(None, [sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem)]):
             con.print(Text(line))
         con.print(Text(f"Plan: --plan \"{plan_text(rep['plan'])}\""))
         con.print(Text(f"Plan {plan_text(rep['plan'])}: {rep['step_time_s']:.3f} s per step, "

@@ -134,3 +134,21 @@ def test_cli_takes_the_flags_and_names_a_bad_impl():
     assert unfused > fused
     bad = CliRunner().invoke(app, base + ["--cross-entropy-fusion-impl", "apex"])
     assert bad.exit_code == 2 and "cross_entropy_fusion_impl" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("flags, says", [
+    ([], None),
+    (["--no-cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion moves 28"),
+    (["--framework", "deepspeed"], "Megatron-DeepSpeed has no fused one"),
+    (["--framework", "jax"], None),
+])
+def test_predict_says_when_the_loss_runs_unfused(flags, says):
+    from typer.testing import CliRunner
+    from cli.main import app
+    out = CliRunner().invoke(app, ["predict", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch",
+                                   "64", "--seq-len", "4096", "--plan", "tp=1,pp=1,dp=8,mbs=1,zero=1", *flags])
+    assert out.exit_code in (0, 3), out.stdout
+    if says:
+        assert "the loss runs unfused" in out.stdout and "128,256-wide" in out.stdout and says in out.stdout
+    else:
+        assert "the loss runs unfused" not in out.stdout
