@@ -26,7 +26,8 @@ import shlex
 from dataclasses import dataclass
 
 from costmodels.plan import Plan, expand_layout
-from costmodels.specs import CrossEntropyImpl, CudaGraphImpl, Framework, PipelineSchedule, Precision, Recompute, SpecError
+from costmodels.specs import (CrossEntropyImpl, CudaGraphImpl, Framework, PipelineSchedule, Precision, Recompute,
+                              SpecError)
 from search_spaces.space import Problem, check_plan
 
 TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed")

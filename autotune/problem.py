@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from costmodels.plan import Plan, parse_plan_text
 from costmodels.presets import build_cluster, load_model
-from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec,
-                              PipelineSchedule, Precision, SpecError, parse_cuda_graph_modules)
+from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Framework,
+                              FrameworkSpec, JobSpec, PipelineSchedule, Precision, SpecError,
+                              parse_cuda_graph_modules)
 from search_spaces.space import Problem, check_plan, complete_plan
 
 #: default tokens per optimizer step when --global-batch is omitted (Llama 3 / GPT-3 scale: ~4M)

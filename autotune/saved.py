@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import fields
 
 from costmodels.plan import DEFAULT_RECOMPUTE_MODULES, Plan
-from costmodels.specs import (AttentionBackend, ClusterSpec, CrossEntropyImpl, CudaGraphImpl, CudaGraphModule, DispatcherType, Framework,
-                              FrameworkSpec, GPUSpec, JobSpec, ModelSpec, PipelineSchedule, Precision, Recompute,
-                              SpecError)
+from costmodels.specs import (AttentionBackend, ClusterSpec, CrossEntropyImpl, CudaGraphImpl, CudaGraphModule,
+                              DispatcherType, Framework, FrameworkSpec, GPUSpec, JobSpec, ModelSpec,
+                              PipelineSchedule, Precision, Recompute, SpecError)
 from search_spaces.space import Problem
 
 from .files import read_json

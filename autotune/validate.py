@@ -18,8 +18,9 @@ import numpy as np
 from costmodels.params import EfficiencyParams
 from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, modules_mask
 from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
-from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Framework, FrameworkSpec, JobSpec,
-                              ModelSpec, Precision, Recompute, SpecError, parse_cuda_graph_modules)
+from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Framework,
+                              FrameworkSpec, JobSpec, ModelSpec, Precision, Recompute, SpecError,
+                              parse_cuda_graph_modules)
 from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
 from .datasets import gpu_generation, launch_settings, launch_settings_by_source, recipe_settings

@@ -24,7 +24,8 @@ from cli.common import (EXIT_BAD_INPUT, EXIT_NOTHING_FITS, EXIT_OK, OneLineError
 from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
-    OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt,
+    OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt,
+    CrossEntropyFusionOpt, CrossEntropyImplOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options_of,
 )

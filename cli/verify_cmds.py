@@ -19,7 +19,8 @@ from costmodels.specs import SpecError
 
 from cli.options import (AttentionBackendOpt, CalibrationOpt, CudaGraphImplOpt, CudaGraphModulesOpt, DispatcherOpt,
                          EpOverlapOpt, Fp8ParamGatherOpt, FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt,
-                         GradAccFusionOpt, GradReduceBf16Opt, JsonOpt, ModelOpt, MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt,
+                         GradAccFusionOpt, GradReduceBf16Opt, JsonOpt, ModelOpt, MoePermuteFusionOpt,
+                         CrossEntropyFusionOpt, CrossEntropyImplOpt,
                          OverlapGradReduceOpt, OverlapParamGatherOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
                          framework_options_of)
 

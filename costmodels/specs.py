@@ -587,7 +587,8 @@ class FrameworkSpec:
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
         if not isinstance(self.cross_entropy_fusion_impl, CrossEntropyImpl):
-            raise SpecError("cross_entropy_fusion_impl", f"must be a CrossEntropyImpl, got {self.cross_entropy_fusion_impl!r}")
+            raise SpecError("cross_entropy_fusion_impl",
+                            f"must be a CrossEntropyImpl, got {self.cross_entropy_fusion_impl!r}")
         if self.overlap_moe_expert_parallel_comm:
             if self.framework is not Framework.MEGATRON:
                 raise SpecError("overlap_moe_expert_parallel_comm", f"is a Megatron-Core option; {self.framework.value} "
