@@ -304,6 +304,7 @@ def case_from_row(row: dict) -> RowCase:
                             gpus_per_node=int(hw["gpus_per_node"]) if hw.get("gpus_per_node") else None)
     modern = framework_is_modern(row)
     recipe = is_nemo_recipe(row)
+    bridge = is_bridge_recipe(row)
     fw_kind = Framework.DEEPSPEED if runs_deepspeed_zero(row) else Framework.MEGATRON
     framework = FrameworkSpec(
         framework=fw_kind,
@@ -316,8 +317,8 @@ def case_from_row(row: dict) -> RowCase:
         fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row),
         # Megatron-Bridge runs Transformer Engine's fused cross entropy; every other source leaves it to
         # the framework default of its time (Megatron-Core's: off; Megatron-DeepSpeed has none)
-        cross_entropy_loss_fusion=is_bridge_recipe(row),
-        cross_entropy_fusion_impl=CrossEntropyImpl.TE if is_bridge_recipe(row) else CrossEntropyImpl.NATIVE,
+        cross_entropy_loss_fusion=bridge,
+        cross_entropy_fusion_impl=CrossEntropyImpl.TE if bridge else CrossEntropyImpl.NATIVE,
         **moe_recipe_options(row))
     if launch.get("framework"):       # the options its published launch script (or the code of its time) ran with
         stated = framework_spec(**launch["framework"])

@@ -84,7 +84,8 @@ def sliding_window_note(problem) -> str:
 
 def rope_note(problem) -> str:
     """A note when Megatron runs the model's RoPE unfused (YaRN as its own position embedding)."""
-    if problem.model.position_embedding == "yarn" and problem.job.framework.framework is not Framework.JAX:
+    from costmodels.encode import rope_runs_unfused
+    if rope_runs_unfused(problem.model) and problem.job.framework.framework is not Framework.JAX:
         return (f"Note: {problem.model.name} uses YaRN-scaled RoPE, which Megatron runs unfused (PyTorch ops: "
                 "12 kernels per query or key tensor forward, 7 backward); costed.")
     return ""
@@ -93,14 +94,15 @@ def rope_note(problem) -> str:
 def cross_entropy_note(problem) -> str:
     """A note when the job runs the unfused vocab-parallel cross entropy (Megatron without
     --cross-entropy-loss-fusion, or Megatron-DeepSpeed, which has no fused one)."""
+    from costmodels.compute import LOSS_BYTES_PER_LOGIT
     from costmodels.encode import cross_entropy_kind
     fw = problem.job.framework
     if cross_entropy_kind(fw) != "unfused":
         return ""
     fix = ("Megatron-DeepSpeed has no fused one" if fw.framework is Framework.DEEPSPEED
-           else "--cross-entropy-loss-fusion moves 28")
+           else f"--cross-entropy-loss-fusion moves {LOSS_BYTES_PER_LOGIT['native']:.0f}")
     return (f"Note: the loss runs unfused (PyTorch ops over an fp32 copy of the {problem.model.vocab_size:,}-wide "
-            f"logits, 52 B per logit forward + backward; {fix}); costed.")
+            f"logits, {LOSS_BYTES_PER_LOGIT['unfused']:.0f} B per logit forward + backward; {fix}); costed.")
 
 
 def _space_line(space: dict, elapsed_s: float) -> str:

@@ -49,7 +49,7 @@ def encode_model(m: ModelSpec) -> dict:
         # Megatron must run it unfused (fused RoPE takes plain "rope" only: Megatron-Bridge's
         # validate_rope_fusion_compatibility; Megatron-LM's GPT-OSS example passes --no-rope-fusion)
         rope_elems=(a * m.qk_rope_head_dim + m.qk_rope_head_dim) if m.is_mla else (a + g) * d,
-        rope_unfused=float(m.position_embedding == "yarn"),
+        rope_unfused=float(rope_runs_unfused(m)),
         ffn=m.ffn_hidden_size, vocab=m.vocab_size, gated=float(m.gated_mlp),
         tied=float(m.tied_embeddings),
         q_down_n=q_down_n, q_up_n=q_up_n, q_up_k=q_up_k, kv_down_n=kv_down_n, kv_up_n=kv_up_n,
@@ -113,6 +113,12 @@ def cuda_graph_capture(fw: FrameworkSpec) -> dict:
     return {k: float(v) for k, v in vals.items()}
 
 
+def rope_runs_unfused(m: ModelSpec) -> bool:
+    """Megatron's fused RoPE takes position_embedding "rope" only; YaRN as its own type runs as PyTorch ops
+    (an XLA-compiled step fuses them anyway: compute.unfused_rope)."""
+    return m.position_embedding == "yarn"
+
+
 def cross_entropy_kind(fw: FrameworkSpec) -> str:
     """The cross entropy the framework runs (a key of compute.LOSS_BYTES_PER_LOGIT): Megatron-Core's
     --cross-entropy-loss-fusion / --cross-entropy-fusion-impl; Megatron-DeepSpeed has only the unfused
@@ -127,6 +133,7 @@ def cross_entropy_kind(fw: FrameworkSpec) -> str:
 def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = None) -> dict:
     prec = j.precision
     peak = c.gpu.peak_flops(prec)
+    loss = cross_entropy_kind(j.framework)
     vals = dict(
         global_batch=j.global_batch, seq_len=j.seq_len,
         peak_gemm=peak if peak > 0 else c.gpu.peak_flops_bf16,     # the datasheet peak (MFU is against it)
@@ -161,9 +168,9 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         fp8_param=float(j.framework.fp8_param_gather),
         ep_a2a_overlap=float(j.framework.overlap_moe_expert_parallel_comm),
         permute_fusion=float(j.framework.moe_permute_fusion),
-        loss_bytes=compute.LOSS_BYTES_PER_LOGIT[cross_entropy_kind(j.framework)],
+        loss_bytes=compute.LOSS_BYTES_PER_LOGIT[loss],
         # TE's fused cross entropy writes the gradient into the bf16 logits: no fp32 copy is kept
-        logits_fp32_copy=float(cross_entropy_kind(j.framework) != "te"),
+        logits_fp32_copy=float(loss != "te"),
         flex_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.FLEX),
         allgather_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.ALLGATHER),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,

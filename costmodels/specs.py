@@ -148,7 +148,7 @@ class ModelSpec:
     # Sliding-window attention (Mistral-7B-v0.1, Gemma-2/3 local layers, GPT-OSS): keys before each query
     # the window reaches, 0 = none; sliding_window_layers: how many layers use it (None: every layer, as in
     # Mistral; Gemma-2 and GPT-OSS alternate, Gemma-3 has 5 local layers per global one). The fused
-    # attention kernels skip the key blocks outside the window (compute.attention_keys_per_query).
+    # attention kernels skip the key blocks outside the window (compute.fused_attention_keys_per_query).
     sliding_window: int = 0
     sliding_window_layers: int | None = None
     # Megatron --hidden-dropout (its default is 0.1; Llama-style recipes set 0): dropout masks are kept
