@@ -26,8 +26,8 @@ import shlex
 from dataclasses import dataclass
 
 from costmodels.plan import Plan, expand_layout
-from costmodels.specs import (CrossEntropyImpl, CudaGraphImpl, Framework, PipelineSchedule, Precision, Recompute,
-                              SpecError)
+from costmodels.specs import (CrossEntropyImpl, CudaGraphImpl, Fp8Recipe, Framework, PipelineSchedule, Precision,
+                              Recompute, SpecError)
 from search_spaces.space import Problem, check_plan
 
 TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed")
@@ -198,6 +198,9 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
         a += ["--overlap-param-gather"]
     a += ["--micro-batch-size", plan.mbs, "--global-batch-size", problem.job.global_batch]
     a += _MEGATRON_PRECISION[problem.job.precision]
+    recipe = problem.job.fp8_recipe
+    if recipe is not None and recipe is not Fp8Recipe.DELAYED:    # delayed is the default (and all older Megatron has)
+        a += ["--fp8-recipe", recipe.value]
     if not fw.grad_reduce_in_fp32:
         a += ["--grad-reduce-in-bf16"]
     if not fw.gradient_accumulation_fusion:
@@ -418,8 +421,29 @@ def parse_megatron_args(argv, world_size: int, num_layers: int | None = None, is
 # Megatron-Bridge / NeMo 2 recipe overrides
 # ------------------------------------------------------------------------------------------------
 
-_BRIDGE_PRECISION = {Precision.BF16: "bf16_mixed", Precision.FP16: "fp16_mixed",
-                     Precision.FP8: "bf16_with_fp8_current_scaling_mixed", Precision.FP4: "bf16_with_nvfp4_mixed"}
+_BRIDGE_PRECISION = {Precision.BF16: "bf16_mixed", Precision.FP16: "fp16_mixed", Precision.FP4: "bf16_with_nvfp4_mixed"}
+#: Megatron-Bridge's fp8 presets (training/mixed_precision.py) by recipe, with the fp8_param_gather each sets: the
+#: preset is applied to model, optimizer and ddp at runtime (runtime_config_update -> MixedPrecisionConfig.setup),
+#: over any model.fp8_param / ddp.fp8_param_gather override
+_BRIDGE_FP8_PRESETS = {Fp8Recipe.DELAYED: ("bf16_with_fp8_delayed_scaling_mixed", True),
+                       Fp8Recipe.TENSORWISE: ("bf16_with_fp8_current_scaling_mixed", False),
+                       Fp8Recipe.MXFP8: ("bf16_with_mxfp8_mixed", True),
+                       Fp8Recipe.BLOCKWISE: ("bf16_with_fp8_subchannel_scaling_mixed", False)}
+
+
+def _bridge_precision(problem: Problem) -> str:
+    """The mixed_precision preset of the job; an fp8 recipe whose preset sets fp8_param_gather otherwise than
+    the plan is refused (the preset wins at runtime)."""
+    recipe = problem.job.fp8_recipe
+    if recipe is None:
+        return _BRIDGE_PRECISION[problem.job.precision]
+    preset, gather = _BRIDGE_FP8_PRESETS[recipe]
+    if problem.job.framework.fp8_param_gather != gather:
+        raise ExportRefused("bridge", f"fp8_param_gather={str(problem.job.framework.fp8_param_gather).lower()}",
+                            f"Megatron-Bridge's {recipe.value} preset {preset} sets fp8_param_gather="
+                            f"{str(gather).lower()} over the model and ddp configs at runtime; "
+                            f"{'add' if gather else 'drop'} --fp8-param-gather")
+    return preset
 
 
 def _val(v) -> str:
@@ -436,7 +460,7 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     check_plan(plan, problem)
     _refuse_sync_tp("bridge", problem)
     fw, job = problem.job.framework, problem.job
-    if job.precision not in _BRIDGE_PRECISION:
+    if job.precision not in _BRIDGE_PRECISION and job.precision is not Precision.FP8:
         raise ExportRefused("bridge", f"precision={job.precision.value}", "Megatron-Bridge's recipes are mixed "
                             "precision (bf16, fp16, fp8, fp4)")
     if plan.pp > 1 and fw.pipeline_schedule is PipelineSchedule.GPIPE:
@@ -477,7 +501,7 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
         o += [("ddp.use_megatron_fsdp", True), ("ddp.data_parallel_sharding_strategy", "optim_grads_params")]
     o += [("ddp.grad_reduce_in_fp32", fw.grad_reduce_in_fp32), ("ddp.overlap_grad_reduce", fw.overlap_grad_reduce),
           ("ddp.overlap_param_gather", fw.overlap_param_gather and plan.zero >= 1),
-          ("mixed_precision", _BRIDGE_PRECISION[job.precision]), ("comm_overlap.tp_comm_overlap", fw.tp_comm_overlap)]
+          ("mixed_precision", _bridge_precision(problem)), ("comm_overlap.tp_comm_overlap", fw.tp_comm_overlap)]
     if fw.overlap_moe_expert_parallel_comm:
         o += [("comm_overlap.overlap_moe_expert_parallel_comm", True)]
     if not fw.gradient_accumulation_fusion:
@@ -485,7 +509,7 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     o += [("model.cross_entropy_loss_fusion", fw.cross_entropy_loss_fusion)]
     if fw.cross_entropy_loss_fusion:
         o += [("model.cross_entropy_fusion_impl", fw.cross_entropy_fusion_impl.value)]
-    if fw.fp8_param_gather:
+    if fw.fp8_param_gather and job.precision is Precision.FP4:    # an fp8 preset carries its own (_bridge_precision)
         o += [("model.fp8_param", True), ("ddp.fp8_param_gather", True)]
     if fw.cuda_graph_impl is not CudaGraphImpl.NONE:
         # docs/training/cuda-graphs.md "Bridge Configuration": model.cuda_graph_impl, model.cuda_graph_scope

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from costmodels.plan import Plan, parse_plan_text
 from costmodels.presets import build_cluster, load_model
-from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Framework,
+from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Fp8Recipe, Framework,
                               FrameworkSpec, JobSpec, PipelineSchedule, Precision, SpecError,
                               parse_cuda_graph_modules)
 from search_spaces.space import Problem, check_plan, complete_plan
@@ -54,7 +54,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    async_tensor_model_parallel_allreduce: bool | None = None,
                    moe_permute_fusion: bool | None = None,
                    cross_entropy_loss_fusion: bool | None = None,
-                   cross_entropy_fusion_impl: str | None = None) -> FrameworkSpec:
+                   cross_entropy_fusion_impl: str | None = None,
+                   fp8_recipe: str | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
@@ -81,6 +82,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
         given["pipeline_schedule"] = PipelineSchedule.parse(pipeline_schedule)
     if cross_entropy_fusion_impl is not None:
         given["cross_entropy_fusion_impl"] = CrossEntropyImpl.parse(cross_entropy_fusion_impl)
+    if fp8_recipe is not None:
+        given["fp8_recipe"] = Fp8Recipe.parse(fp8_recipe)
     if cuda_graph_impl is not None or cuda_graph_modules:
         impl = CudaGraphImpl.parse(cuda_graph_impl) if cuda_graph_impl is not None else CudaGraphImpl.NONE
         mods = [cuda_graph_modules] if isinstance(cuda_graph_modules, str) else cuda_graph_modules

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 from costmodels.plan import DEFAULT_RECOMPUTE_MODULES, Plan
 from costmodels.specs import (AttentionBackend, ClusterSpec, CrossEntropyImpl, CudaGraphImpl, CudaGraphModule,
-                              DispatcherType, Framework, FrameworkSpec, GPUSpec, JobSpec, ModelSpec,
+                              DispatcherType, Fp8Recipe, Framework, FrameworkSpec, GPUSpec, JobSpec, ModelSpec,
                               PipelineSchedule, Precision, Recompute, SpecError)
 from search_spaces.space import Problem
 
@@ -37,6 +37,8 @@ def _framework(job: dict) -> FrameworkSpec:
         v["pipeline_schedule"] = PipelineSchedule.parse(v["pipeline_schedule"])
     if "cross_entropy_fusion_impl" in v:
         v["cross_entropy_fusion_impl"] = CrossEntropyImpl.parse(v["cross_entropy_fusion_impl"])
+    if "fp8_recipe" in v:
+        v["fp8_recipe"] = Fp8Recipe.parse(v["fp8_recipe"])
     if "cuda_graph_impl" in v:
         v["cuda_graph_impl"] = CudaGraphImpl.parse(v["cuda_graph_impl"])
     if "cuda_graph_modules" in v:

@@ -18,7 +18,7 @@ import numpy as np
 from costmodels.params import EfficiencyParams
 from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, modules_mask
 from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
-from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Framework,
+from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Fp8Recipe, Framework,
                               FrameworkSpec, JobSpec, ModelSpec, Precision, Recompute, SpecError,
                               parse_cuda_graph_modules)
 from search_spaces.space import Problem, applicable_modules_mask, binding_rules
@@ -146,6 +146,21 @@ def _fp8_param_recipe(row: dict) -> bool:
     """MXFP8 and delayed scaling keep fp8 primary weights in the recipes; current scaling does not."""
     prec = str((row.get("plan") or {}).get("precision") or "").lower()
     return "mx" in prec or "delayed" in prec
+
+
+def fp8_recipe_of(row: dict) -> Fp8Recipe:
+    """The fp8 recipe of a run, read from its precision label: "MX" is MXFP8 on Blackwell and 1x128 /
+    128x128 block scaling on Hopper (the Bridge pages' note on the parenthesized numbers); "CS", "current"
+    and "per-tensor" are current scaling. A bare "FP8" is current scaling on the Megatron-Bridge pages (their
+    H100 recipes are the *_FP8_CS_* configs, recipe_settings.json) and delayed scaling elsewhere (NeMo 24.07's
+    Transformer Engine 1.x had no other)."""
+    prec = str((row.get("plan") or {}).get("precision") or "").lower()
+    if "mx" in prec or "blockwise" in prec:
+        gpu = GPU_PRESETS.get(str((row.get("hardware") or {}).get("gpu_key") or ""))
+        return Fp8Recipe.MXFP8 if gpu is not None and gpu.family == "blackwell" else Fp8Recipe.BLOCKWISE
+    if "cs" in prec.replace("-", " ").split() or "current" in prec or "per-tensor" in prec or is_bridge_recipe(row):
+        return Fp8Recipe.TENSORWISE
+    return Fp8Recipe.DELAYED
 
 
 def zero_stage(row: dict) -> int | None:
@@ -319,6 +334,7 @@ def case_from_row(row: dict) -> RowCase:
         # the framework default of its time (Megatron-Core's: off; Megatron-DeepSpeed has none)
         cross_entropy_loss_fusion=bridge,
         cross_entropy_fusion_impl=CrossEntropyImpl.TE if bridge else CrossEntropyImpl.NATIVE,
+        fp8_recipe=fp8_recipe_of(row),
         **moe_recipe_options(row))
     if launch.get("framework"):       # the options its published launch script (or the code of its time) ran with
         stated = framework_spec(**launch["framework"])

@@ -54,7 +54,7 @@ def megatron_framework(problem: Problem) -> dict:
             "overlap_moe_expert_parallel_comm": fw.overlap_moe_expert_parallel_comm,
             "gradient_accumulation_fusion": fw.gradient_accumulation_fusion,
             "moe_permute_fusion": fw.moe_permute_fusion, "cross_entropy_loss_fusion": fw.cross_entropy_loss_fusion,
-            "cross_entropy_fusion_impl": fw.cross_entropy_fusion_impl.value}
+            "cross_entropy_fusion_impl": fw.cross_entropy_fusion_impl.value, "fp8_recipe": fw.fp8_recipe.value}
 
 
 def log_measurement(log_path: str, warmup: int) -> tuple[Measured, dict]:

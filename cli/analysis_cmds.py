@@ -18,6 +18,7 @@ from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, P
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
                          MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt, CudaGraphImplOpt,
+                         Fp8RecipeOpt,
                          CudaGraphModulesOpt, framework_options_of)
 from costmodels.specs import SpecError
 
@@ -59,6 +60,7 @@ def explain(
     moe_permute_fusion: MoePermuteFusionOpt = None,
     cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
+    fp8_recipe: Fp8RecipeOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -221,6 +223,7 @@ def whatif(
     moe_permute_fusion: MoePermuteFusionOpt = None,
     cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
+    fp8_recipe: Fp8RecipeOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -25,7 +25,7 @@ from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
     OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt,
-    CrossEntropyFusionOpt, CrossEntropyImplOpt,
+    CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8RecipeOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options_of,
 )
@@ -205,6 +205,7 @@ def search(
     moe_permute_fusion: MoePermuteFusionOpt = None,
     cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
+    fp8_recipe: Fp8RecipeOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
@@ -362,6 +363,7 @@ def predict(
     moe_permute_fusion: MoePermuteFusionOpt = None,
     cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
+    fp8_recipe: Fp8RecipeOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -20,7 +20,7 @@ from costmodels.specs import SpecError
 from cli.options import (AttentionBackendOpt, CalibrationOpt, CudaGraphImplOpt, CudaGraphModulesOpt, DispatcherOpt,
                          EpOverlapOpt, Fp8ParamGatherOpt, FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt,
                          GradAccFusionOpt, GradReduceBf16Opt, JsonOpt, ModelOpt, MoePermuteFusionOpt,
-                         CrossEntropyFusionOpt, CrossEntropyImplOpt,
+                         CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8RecipeOpt,
                          OverlapGradReduceOpt, OverlapParamGatherOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
                          framework_options_of)
 
@@ -142,6 +142,7 @@ def verify(
     moe_permute_fusion: MoePermuteFusionOpt = None,
     cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
+    fp8_recipe: Fp8RecipeOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -36,6 +36,15 @@ MOE_EXTRA_KERNELS = MOE_ROUTER_KERNELS + MOE_PREPROCESS_KERNELS + MOE_DISPATCH_K
 #: GEMM per expert, plus the activation; in fp8 / fp4 each expert's input is also cast (2 more)
 KERNELS_PER_LOCAL_EXPERT = 3.0
 KERNELS_PER_LOCAL_EXPERT_LOW_PRECISION = 2.0
+#: --fp8-recipe tensorwise (Float8CurrentScaling) scales each tensor by its own amax: Transformer Engine's
+#: quantizer runs nvte_compute_amax (a read of the bf16 input, 2 B per element), nvte_compute_scale_from_amax,
+#: then the cast (pytorch/csrc/quantizer.cpp, v2.7-v2.12), where delayed scaling, MXFP8 and blockwise
+#: scaling compute their scales inside the one cast(-transpose) kernel: 2 more bytes per cast element and 2
+#: more kernels per cast. A layer block's GEMMs each cast their input (attention: QKV and output
+#: projection; MLP: fc1 and fc2; each expert its fc1 and fc2)
+FP8_AMAX_PASS_BYTES = 2.0
+FP8_AMAX_PASS_KERNELS_PER_CAST = 2.0
+GEMMS_PER_BLOCK = 2.0
 #: bytes per routed token per hidden unit for (un)permuting tokens: read + write, to and from the
 #: expert order, bf16 (Megatron-Core moe_utils.permute / unpermute)
 PERMUTE_BYTES_PER_H = 4.0 * 2.0
@@ -307,7 +316,7 @@ def elementwise_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     bw = H["hbm_bw"] * e.hbm_eff
     T, Te, tp, h = S.tokens, S.tokens_elem, S.tp, M["hidden"]
     f, fe, sf, routed = M["ffn"], M["expert_ffn"], M["shared_ffn"], S.routed_tokens
-    lp = J["low_precision"] * e.lp_cast_bytes
+    lp = J["low_precision"] * e.lp_cast_bytes + J["fp8_amax_pass"] * FP8_AMAX_PASS_BYTES
     attn = (Te * h * e.elementwise_bytes_h + lp * (Te * h + T * M["attn_out_k"] / tp)) / bw
     dense = (T * f / tp * e.elementwise_bytes_f + lp * (Te * h + T * f / tp)) / bw
     moe = (routed * fe * e.elementwise_bytes_f + T / tp * sf * e.elementwise_bytes_f
@@ -323,6 +332,16 @@ def moe_kernels(S: Shapes, M: dict, J: dict):
     local = jnp.maximum(M["experts"], 1.0) / S.ep
     per_expert = KERNELS_PER_LOCAL_EXPERT + J["low_precision"] * KERNELS_PER_LOCAL_EXPERT_LOW_PRECISION
     return MOE_EXTRA_KERNELS + local * per_expert
+
+
+def fp8_amax_pass_kernels(S: Shapes, M: dict, J: dict):
+    """GPU kernels the tensorwise fp8 recipe's amax passes add to a dense and to an MoE layer forward: per
+    block of two GEMMs (attention, MLP, shared experts, each local expert). Transformer Engine launches
+    them from C++ inside the one quantize call (multi_tensor_quantize_impl quantizes expert by expert), so
+    they cost GPU time, not host ops."""
+    per_block = J["fp8_amax_pass"] * FP8_AMAX_PASS_KERNELS_PER_CAST * GEMMS_PER_BLOCK
+    moe_blocks = 1.0 + jnp.maximum(M["experts"], 1.0) / S.ep + (M["shared_ffn"] > 0)
+    return 2.0 * per_block, moe_blocks * per_block
 
 
 def _tp_collectives(S: Shapes):
@@ -402,6 +421,7 @@ def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> Lay
     mlp_moe, mlp_moe_shared = moe_mlp_s(S, M, H, J, e)
     n_dense, n_moe = layer_kernels(S, M, J)
     host_dense, host_moe = host_kernels(S, M, J, n_dense, n_moe)
+    amax_dense, amax_moe = fp8_amax_pass_kernels(S, M, J)
     down_dense, down_moe = mlp_down_s(S, M, H, J, e)
     core_fwd, core_bwd = attention_core_fwd_bwd_s(S, M, H, J, e)
     return LayerWork(
@@ -409,7 +429,8 @@ def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> Lay
         mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=dense_mlp_s(S, M, H, J, e),
         mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, rope=rope_unfused_s(S, M, H, J, e),
         elem_dense=elem_dense, elem_moe=elem_moe,
-        kernels_dense=n_dense * e.kernel_overhead_s, kernels_moe=n_moe * e.kernel_overhead_s,
+        kernels_dense=(n_dense + amax_dense) * e.kernel_overhead_s,
+        kernels_moe=(n_moe + amax_moe) * e.kernel_overhead_s,
         host_dense=host_dense * e.host_op_s, host_moe=host_moe * e.host_op_s,
         remat_skip_dense=J["compiled_step"] * down_dense, remat_skip_moe=J["compiled_step"] * down_moe,
         host_moe_pre=moe_pre_sync_launches(S, M, J) * e.host_op_s)

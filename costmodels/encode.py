@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import compute
-from .specs import ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, Framework, FrameworkSpec, JobSpec, ModelSpec, PipelineSchedule, Precision
+from .specs import (ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, Fp8Recipe, Framework, FrameworkSpec,
+                    JobSpec, ModelSpec, PipelineSchedule, Precision)
 
 
 def encode_model(m: ModelSpec) -> dict:
@@ -147,6 +148,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         # training the weights are the master, only momentum + variance (8) (Megatron FP32Optimizer)
         optimizer_bytes=8.0 if prec is Precision.FP32 else 12.0,
         low_precision=float(prec in (Precision.FP8, Precision.FP4)),
+        # --fp8-recipe tensorwise measures each tensor's amax in a pass of its own before the cast
+        fp8_amax_pass=float(j.fp8_recipe is Fp8Recipe.TENSORWISE),
         flash=float(j.flash_attention),
         # Megatron's fused scale-mask-softmax: the job's shape rules (fp16/bf16 scores, 16 < sk <= 4096, sq and
         # sk multiples of 4) and the kernel's batches per block, 8 for sk <= 128 (two rows per warp), else 4;

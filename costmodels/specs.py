@@ -424,6 +424,26 @@ class CrossEntropyImpl(enum.Enum):
         return _parse_enum(cls, text, field_name)
 
 
+class Fp8Recipe(enum.Enum):
+    """Megatron-Core --fp8-recipe (transformer_config.py fp8_recipe, default "delayed"): how Transformer
+    Engine scales the fp8 tensors. What each supports (TE quantization.py check_recipe_support): delayed and
+    tensorwise on compute capability >= 8.9, blockwise on >= 9.0 with CUDA >= 12.9, mxfp8 on Blackwell
+    (10.x) only."""
+    DELAYED = "delayed"         # DelayedScaling: scales from an amax history, the cast fused with the transpose
+    TENSORWISE = "tensorwise"   # Float8CurrentScaling: each tensor's own amax, a pass of its own before the cast
+    MXFP8 = "mxfp8"             # MXFP8BlockScaling: an E8M0 scale per 32 elements, computed in the cast
+    BLOCKWISE = "blockwise"     # Float8BlockScaling: 1x128 activation / 128x128 weight blocks (DeepSeek-V3's)
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "fp8_recipe") -> "Fp8Recipe":
+        return _parse_enum(cls, text, field_name)
+
+
+#: GPU families each fp8 recipe runs on (TE check_recipe_support; MXFP8 not on 12.x yet); a GPU of no
+#: stated family is not checked
+FP8_RECIPE_FAMILIES = {Fp8Recipe.MXFP8: ("blackwell",), Fp8Recipe.BLOCKWISE: ("hopper", "blackwell")}
+
+
 class DispatcherType(enum.Enum):
     """Megatron-Core --moe-token-dispatcher-type: how MoE tokens reach their experts."""
     ALLTOALL = "alltoall"
@@ -574,6 +594,8 @@ class FrameworkSpec:
     # Megatron-DeepSpeed always runs the unfused one and an XLA-compiled step fuses its own
     cross_entropy_loss_fusion: bool = True
     cross_entropy_fusion_impl: CrossEntropyImpl = CrossEntropyImpl.NATIVE
+    # --fp8-recipe (Megatron-Core's default "delayed"), used when the job trains in fp8
+    fp8_recipe: Fp8Recipe = Fp8Recipe.DELAYED
 
     def __post_init__(self):
         cf = self.moe_expert_capacity_factor
@@ -589,6 +611,8 @@ class FrameworkSpec:
         if not isinstance(self.cross_entropy_fusion_impl, CrossEntropyImpl):
             raise SpecError("cross_entropy_fusion_impl",
                             f"must be a CrossEntropyImpl, got {self.cross_entropy_fusion_impl!r}")
+        if not isinstance(self.fp8_recipe, Fp8Recipe):
+            raise SpecError("fp8_recipe", f"must be an Fp8Recipe, got {self.fp8_recipe!r}")
         if self.overlap_moe_expert_parallel_comm:
             if self.framework is not Framework.MEGATRON:
                 raise SpecError("overlap_moe_expert_parallel_comm", f"is a Megatron-Core option; {self.framework.value} "
@@ -666,6 +690,22 @@ class JobSpec:
         if self.framework.overlap_moe_expert_parallel_comm and self.precision is Precision.FP32:
             raise SpecError("overlap_moe_expert_parallel_comm", "is supported with a bf16 or fp16 model only "
                             "(Megatron-Core rule), got precision=fp32")
+
+    @property
+    def fp8_recipe(self) -> "Fp8Recipe | None":
+        """The fp8 recipe Transformer Engine runs (None unless an eager framework trains in fp8; an
+        XLA-compiled step scales its own)."""
+        if self.precision is not Precision.FP8 or self.framework.framework is Framework.JAX:
+            return None
+        return self.framework.fp8_recipe
+
+    def check_fp8_recipe_for(self, gpu: "GPUSpec") -> None:
+        """Transformer Engine refuses a recipe the GPU cannot run (quantization.py check_recipe_support)."""
+        families = FP8_RECIPE_FAMILIES.get(self.fp8_recipe, ())
+        if families and gpu.family and gpu.family not in families:
+            raise SpecError("fp8_recipe", f"{self.fp8_recipe.value} runs on {' / '.join(families)} GPUs only "
+                            f"(Transformer Engine's recipe check); {gpu.name} is {gpu.family}: "
+                            "use delayed or tensorwise")
 
     @property
     def flash_attention(self) -> bool:

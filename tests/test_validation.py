@@ -61,7 +61,7 @@ def test_moe_public_runs_accuracy(public_result):
     # a warm-started chain of fits, before they became the fit from the literature prior; issue 11's target
     # is 20 % out of sample (17.9 % LOSO), 15 % in-sample)
     assert public_result["n_scored_moe"] == sum(1 for r in PUBLIC_ROWS if r["usable"] and r["model"]["num_experts"])
-    assert public_result["mape_moe_pct"] <= 17.5
+    assert public_result["mape_moe_pct"] <= 17.0
 
 
 def test_every_usable_published_run_is_scored_and_inside_the_legal_space(public_result):
