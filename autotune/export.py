@@ -205,8 +205,8 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
         a += ["--grad-reduce-in-bf16"]
     if not fw.gradient_accumulation_fusion:
         a += ["--no-gradient-accumulation-fusion"]
-    if fw.fp8_param_gather:
-        a += ["--fp8-param-gather"]
+    if fw.fp8_param_gather:     # low-precision primary weights: Megatron names the fp4 form --fp4-param-gather
+        a += ["--fp4-param-gather" if problem.job.precision is Precision.FP4 else "--fp8-param-gather"]
     if fw.tp_comm_overlap:
         a += ["--tp-comm-overlap"]
     a += ["--attention-backend", fw.attention_backend.value]
@@ -421,27 +421,31 @@ def parse_megatron_args(argv, world_size: int, num_layers: int | None = None, is
 # Megatron-Bridge / NeMo 2 recipe overrides
 # ------------------------------------------------------------------------------------------------
 
-_BRIDGE_PRECISION = {Precision.BF16: "bf16_mixed", Precision.FP16: "fp16_mixed", Precision.FP4: "bf16_with_nvfp4_mixed"}
-#: Megatron-Bridge's fp8 presets (training/mixed_precision.py) by recipe, with the fp8_param_gather each sets: the
-#: preset is applied to model, optimizer and ddp at runtime (runtime_config_update -> MixedPrecisionConfig.setup),
-#: over any model.fp8_param / ddp.fp8_param_gather override
+_BRIDGE_PRECISION = {Precision.BF16: "bf16_mixed", Precision.FP16: "fp16_mixed"}
+#: Megatron-Bridge's low-precision presets (training/mixed_precision.py), with the low-precision primary weights
+#: each sets (fp8_param_gather; fp4_param_gather for nvfp4): the preset is applied to model, optimizer and ddp at
+#: runtime (runtime_config_update -> MixedPrecisionConfig.setup), over any model / ddp override
 _BRIDGE_FP8_PRESETS = {Fp8Recipe.DELAYED: ("bf16_with_fp8_delayed_scaling_mixed", True),
                        Fp8Recipe.TENSORWISE: ("bf16_with_fp8_current_scaling_mixed", False),
                        Fp8Recipe.MXFP8: ("bf16_with_mxfp8_mixed", True),
                        Fp8Recipe.BLOCKWISE: ("bf16_with_fp8_subchannel_scaling_mixed", False)}
+_BRIDGE_FP4_PRESET = ("bf16_with_nvfp4_mixed", True)
 
 
 def _bridge_precision(problem: Problem) -> str:
-    """The mixed_precision preset of the job; an fp8 recipe whose preset sets fp8_param_gather otherwise than
-    the plan is refused (the preset wins at runtime)."""
-    recipe = problem.job.fp8_recipe
-    if recipe is None:
-        return _BRIDGE_PRECISION[problem.job.precision]
-    preset, gather = _BRIDGE_FP8_PRESETS[recipe]
-    if problem.job.framework.fp8_param_gather != gather:
-        raise ExportRefused("bridge", f"fp8_param_gather={str(problem.job.framework.fp8_param_gather).lower()}",
-                            f"Megatron-Bridge's {recipe.value} preset {preset} sets fp8_param_gather="
-                            f"{str(gather).lower()} over the model and ddp configs at runtime; "
+    """The mixed_precision preset of the job; a low-precision preset whose primary weights differ from the
+    plan's --fp8-param-gather is refused (the preset wins at runtime)."""
+    job = problem.job
+    if job.precision is Precision.FP8:
+        what, (preset, gather) = f"{job.fp8_recipe.value} preset", _BRIDGE_FP8_PRESETS[job.fp8_recipe]
+    elif job.precision is Precision.FP4:
+        what, (preset, gather) = "nvfp4 preset", _BRIDGE_FP4_PRESET
+    else:
+        return _BRIDGE_PRECISION[job.precision]
+    if job.framework.fp8_param_gather != gather:
+        raise ExportRefused("bridge", f"fp8_param_gather={str(job.framework.fp8_param_gather).lower()}",
+                            f"Megatron-Bridge's {what} {preset} {'keeps' if gather else 'does not keep'} "
+                            f"low-precision primary weights, over the model and ddp configs at runtime; "
                             f"{'add' if gather else 'drop'} --fp8-param-gather")
     return preset
 
@@ -460,7 +464,7 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     check_plan(plan, problem)
     _refuse_sync_tp("bridge", problem)
     fw, job = problem.job.framework, problem.job
-    if job.precision not in _BRIDGE_PRECISION and job.precision is not Precision.FP8:
+    if job.precision not in (Precision.BF16, Precision.FP16, Precision.FP8, Precision.FP4):
         raise ExportRefused("bridge", f"precision={job.precision.value}", "Megatron-Bridge's recipes are mixed "
                             "precision (bf16, fp16, fp8, fp4)")
     if plan.pp > 1 and fw.pipeline_schedule is PipelineSchedule.GPIPE:
@@ -509,8 +513,6 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     o += [("model.cross_entropy_loss_fusion", fw.cross_entropy_loss_fusion)]
     if fw.cross_entropy_loss_fusion:
         o += [("model.cross_entropy_fusion_impl", fw.cross_entropy_fusion_impl.value)]
-    if fw.fp8_param_gather and job.precision is Precision.FP4:    # an fp8 preset carries its own (_bridge_precision)
-        o += [("model.fp8_param", True), ("ddp.fp8_param_gather", True)]
     if fw.cuda_graph_impl is not CudaGraphImpl.NONE:
         # docs/training/cuda-graphs.md "Bridge Configuration": model.cuda_graph_impl, model.cuda_graph_scope
         # (Megatron-Core migrates it to cuda_graph_modules), the TE RNG tracker (config.py syncs

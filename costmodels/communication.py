@@ -31,9 +31,6 @@ from . import collectives as C
 from .compute import ACT_BYTES, LayerTimes, LayerWork, Shapes
 from .params import EfficiencyParams
 
-#: parameters move in bf16 when ZeRO / the distributed optimizer gathers them
-PARAM_GATHER_BYTES = 2.0
-
 
 def _links(e: EfficiencyParams):
     return (e.intra_bw_eff, e.inter_bw_eff)
@@ -169,7 +166,7 @@ def bucket_share(params, dp_size):
 
 def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_expert, layers,
                     lt: LayerTimes, stage_layers_s, H: dict, grad_bytes, e: EfficiencyParams, idle_s=0.0,
-                    grad_overlap=1.0, param_overlap=1.0, deepspeed_zero3=0.0):
+                    grad_overlap=1.0, param_overlap=1.0, deepspeed_zero3=0.0, param_bytes=2.0):
     """Exposed gradient / parameter traffic per step of the stage with most parameters.
 
     ZeRO 0: all-reduce of gradients, overlapped with the last micro-batch's backward. ZeRO 1
@@ -183,6 +180,9 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     group's bus bandwidth); DeepSpeed's stage 3 (`deepspeed_zero3`, 0/1) fetched each module's parameters
     with its own synchronous gathers and copies and reached only `zero3_bw_eff` of it, on NVLink as over
     InfiniBand (DeepSpeed issue #1174: ~21 GB/s per A100 inside one NVLink node, 2021).
+
+    param_bytes: bytes per parameter the gathers move, the primary weights' (memory.primary_weight_bytes: bf16,
+    fp32 without mixed precision, fp8 / NVFP4 with --fp8-param-gather).
 
     grad_overlap / param_overlap (0 or 1): Megatron's --overlap-grad-reduce and --overlap-param-gather.
     Without the first, gradients are reduced after the whole backward pass (Megatron-LM's only behaviour
@@ -198,8 +198,8 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     ar_e = moe_on * C.all_reduce_s(grad_bytes * pe, groups.expert, S.ep * S.etp, H, link, lat)
     rs_d = C.reduce_scatter_s(grad_bytes * pd, groups.dense, S.tp, H, link, lat)
     rs_e = moe_on * C.reduce_scatter_s(grad_bytes * pe, groups.expert, S.ep * S.etp, H, link, lat)
-    ag_d = C.all_gather_s(PARAM_GATHER_BYTES * pd, groups.dense, S.tp, H, link, lat)
-    ag_e = moe_on * C.all_gather_s(PARAM_GATHER_BYTES * pe, groups.expert, S.ep * S.etp, H, link, lat)
+    ag_d = C.all_gather_s(param_bytes * pd, groups.dense, S.tp, H, link, lat)
+    ag_e = moe_on * C.all_gather_s(param_bytes * pe, groups.expert, S.ep * S.etp, H, link, lat)
     ar, rs, ag = ar_d + ar_e, rs_d + rs_e, ag_d + ag_e
     # Megatron's gradient buckets hold max(40M, 1M x dp) parameters (distributed_data_parallel.py); the
     # last bucket's reduction starts only when the backward pass ends, and the first bucket's gather

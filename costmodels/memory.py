@@ -146,8 +146,19 @@ def backward_peak_bytes_per_token(d_resid, d_fc1, d_probs, freed_by_softmax):
 LOGITS_FP32_BYTES = 4.0
 #: Transformer Engine's cached fp8 / fp4 copy of each weight (beside the bf16 primary weight)
 LOW_PRECISION_WEIGHT_COPY_BYTES = 1.0
-#: fp8 primary weights (--fp8-param-gather): the bf16 weight is replaced by its fp8 form
+#: low-precision primary weights (Megatron's --fp8-param-gather / --fp4-param-gather): the bf16 weight is replaced
+#: by its fp8 form, or its NVFP4 form: 4-bit values with an E4M3 scale per 16 (Transformer Engine NVFP4BlockScaling)
 FP8_PRIMARY_WEIGHT_BYTES = 1.0
+FP4_PRIMARY_WEIGHT_BYTES = 0.5 + 1.0 / 16.0
+
+
+def primary_weight_bytes(precision: str, weight_bytes: float, low_precision_params: bool) -> float:
+    """Bytes per parameter of the primary weights, which the distributed optimizer / FSDP also all-gathers."""
+    if low_precision_params and precision == "fp8":
+        return FP8_PRIMARY_WEIGHT_BYTES
+    if low_precision_params and precision == "fp4":
+        return FP4_PRIMARY_WEIGHT_BYTES
+    return weight_bytes
 #: CUDA context, NCCL and framework buffers, TE workspaces per GPU
 FIXED_BYTES = 3.0e9
 
@@ -171,8 +182,7 @@ def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataPa
     """Memory of pipeline rank `rank` holding n layers (n_recomputed of them fully recomputed)."""
     z = S.zero
     z3 = (z == 3).astype(jnp.float32)
-    primary = jnp.where(J["fp8_param"] * J["low_precision"] > 0, FP8_PRIMARY_WEIGHT_BYTES, J["weight_bytes"])
-    wbytes = primary + J["low_precision"] * LOW_PRECISION_WEIGHT_COPY_BYTES
+    wbytes = J["primary_weight_bytes"] + J["low_precision"] * LOW_PRECISION_WEIGHT_COPY_BYTES
     # ZeRO-3 gathers one weight matrix at a time and prefetches the next: two of the largest live
     h, g = M["hidden"], M["gated"]
     largest_matrix = jnp.maximum(jnp.maximum(M["ffn"], M["q_up_n"]) * h, M["expert_ffn"] * h * (1.0 + g)) / S.tp

@@ -147,7 +147,7 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     dp_comm = comm.data_parallel_s(S, groups, p_dense, p_expert, biggest.pick(st.first, st.mid, st.last), lt,
                                    layers_s, H, J["grad_bytes"], e, idle_s=idle + waits,
                                    grad_overlap=J["dp_grad_overlap"], param_overlap=J["dp_param_overlap"],
-                                   deepspeed_zero3=J["deepspeed"])
+                                   deepspeed_zero3=J["deepspeed"], param_bytes=J["primary_weight_bytes"])
     # the optimizer step is memory bound: bytes moved per local parameter (sharded with ZeRO >= 1)
     p_opt = memory.sharded(memory.StageParams(p_dense, p_expert), groups, S.zero >= 1)
     t_opt = p_opt * memory.OPTIMIZER_STEP_BYTES / (H["hbm_bw"] * e.hbm_eff)

@@ -301,6 +301,11 @@ RULES: tuple[Rule, ...] = (
          lambda a, p: f"zero={_v(a,'zero')} does not exist in {p.job.framework.framework.value} (stages "
                       f"{', '.join(map(str, zero_stages(p.job)))}: 0 DDP, 1 distributed optimizer, "
                       f"{'2 ZeRO-2, ' if 2 in zero_stages(p.job) else ''}3 FSDP)"),
+    # arguments.py: "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp"
+    Rule("param_gather_needs_sharding", lambda a, p: (not p.job.framework.fp8_param_gather)
+         | (a["zero"] == 1) | (a["zero"] == 3),
+         lambda a, p: f"--fp8-param-gather with zero={_v(a,'zero')}: Megatron gathers low-precision primary weights "
+                      "only with the distributed optimizer (zero=1) or FSDP (zero=3)"),
     Rule("zero23_no_pp", lambda a, p: (a["zero"] < 2) | (a["pp"] == 1),
          lambda a, p: f"zero={_v(a,'zero')} (gradient/parameter sharding) cannot be combined with pp={_v(a,'pp')} > 1"),
     # block recomputation (Megatron --recompute-method block --recompute-num-layers N)

@@ -20,7 +20,7 @@ from autotune.api import build_problem
 from autotune.datasets import dataset_path
 from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, modules_of_mask
 from costmodels.presets import build_cluster
-from costmodels.specs import (CudaGraphImpl, CudaGraphModule, FrameworkSpec, JobSpec, ModelSpec, Recompute,
+from costmodels.specs import (CudaGraphImpl, CudaGraphModule, FrameworkSpec, JobSpec, ModelSpec, Precision, Recompute,
                               SpecError)
 from search_spaces.space import (RULES, Problem, check_plan, check_rows, count_legal, domains,
                                  enumerate_legal)
@@ -96,6 +96,10 @@ _CASES = [
      Plan(tp=4, pp=4, dp=1, zero=1), Plan(tp=4, pp=4, dp=1, zero=0)),
     ("zero23_no_pp", "FSDP with a pipeline", _problem(),
      Plan(pp=2, dp=8, zero=3), Plan(pp=2, dp=8, zero=1)),
+    ("param_gather_needs_sharding", "fp8 primary weights without the distributed optimizer (Megatron's arguments.py)",
+     _problem(job=JobSpec(global_batch=32, seq_len=1024, precision=Precision.FP8,
+                          framework=FrameworkSpec(fp8_param_gather=True))),
+     Plan(dp=16, zero=0), Plan(dp=16, zero=1)),
     ("ep_experts", "ep does not divide the experts", _problem(MOE),
      Plan(dp=16, ep=16), Plan(dp=16, ep=8)),
     ("ep_experts", "ep on a dense model", _problem(),
