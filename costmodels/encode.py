@@ -135,6 +135,7 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
     prec = j.precision
     peak = c.gpu.peak_flops(prec)
     loss = cross_entropy_kind(j.framework)
+    weight_bytes = 4.0 if prec is Precision.FP32 else 2.0     # fp32 without mixed precision, else bf16 / fp16
     vals = dict(
         global_batch=j.global_batch, seq_len=j.seq_len,
         peak_gemm=peak if peak > 0 else c.gpu.peak_flops_bf16,     # the datasheet peak (MFU is against it)
@@ -143,7 +144,7 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         gemm_bytes={Precision.FP8: 1.0, Precision.FP4: 0.5, Precision.FP32: 4.0}.get(prec, 2.0),
         # activations and weights in fp32 without mixed precision, else bf16 / fp16
         act_bytes=4.0 if prec is Precision.FP32 else 2.0,
-        weight_bytes=4.0 if prec is Precision.FP32 else 2.0,
+        weight_bytes=weight_bytes,
         # Adam state per parameter: fp32 master + momentum + variance (12) under mixed precision; in fp32
         # training the weights are the master, only momentum + variance (8) (Megatron FP32Optimizer)
         optimizer_bytes=8.0 if prec is Precision.FP32 else 12.0,
@@ -168,10 +169,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         compiled_step=float(j.framework.framework is Framework.JAX),
         mb_grad_buffer=float(j.framework.microbatch_grad_buffer),
         moe_capacity=float(j.framework.moe_expert_capacity_factor),
-        fp8_param=float(j.framework.fp8_param_gather),
         # the primary weights' bytes, which ZeRO-1 / FSDP all-gather (fp8 / NVFP4 with --fp8-param-gather)
-        primary_weight_bytes=memory.primary_weight_bytes(prec.value, 4.0 if prec is Precision.FP32 else 2.0,
-                                                         j.framework.fp8_param_gather),
+        primary_weight_bytes=memory.primary_weight_bytes(prec.value, weight_bytes, j.framework.fp8_param_gather),
         ep_a2a_overlap=float(j.framework.overlap_moe_expert_parallel_comm),
         permute_fusion=float(j.framework.moe_permute_fusion),
         loss_bytes=compute.LOSS_BYTES_PER_LOGIT[loss],
