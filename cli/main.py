@@ -29,7 +29,7 @@ from cli.options import (  # shared flags
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options_of,
 )
-from costmodels.specs import Framework, SpecError
+from costmodels.specs import Fp8Recipe, Framework, SpecError
 
 app = typer.Typer(
     name="autotune",
@@ -103,6 +103,21 @@ def cross_entropy_note(problem) -> str:
            else f"--cross-entropy-loss-fusion moves {LOSS_BYTES_PER_LOGIT['native']:.0f}")
     return (f"Note: the loss runs unfused (PyTorch ops over an fp32 copy of the {problem.model.vocab_size:,}-wide "
             f"logits, {LOSS_BYTES_PER_LOGIT['unfused']:.0f} B per logit forward + backward; {fix}); costed.")
+
+
+def fp8_recipe_note(problem) -> str:
+    """A note when --fp8-recipe names a recipe the job does not run (it trains in bf16 / fp16 / fp4, or the jax
+    runner scales its own), and when the recipe is current scaling, whose amax passes the cost model charges."""
+    job = problem.job
+    chosen = job.framework.fp8_recipe
+    if job.fp8_recipe is None and chosen is not Fp8Recipe.DELAYED:
+        why = ("the jax framework scales its own fp8" if job.framework.framework is Framework.JAX
+               else f"the job trains in {job.precision.value}")
+        return f"Note: --fp8-recipe {chosen.value} has no effect: {why}."
+    if job.fp8_recipe is Fp8Recipe.TENSORWISE:
+        return ("Note: fp8 current scaling (tensorwise) measures each tensor's amax in a kernel of its own before "
+                "the cast: 2 more bytes per cast element and 2 more kernels per cast; costed.")
+    return ""
 
 
 def _space_line(space: dict, elapsed_s: float) -> str:
@@ -330,7 +345,8 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {', '.join(saved)}" if saved else "Report not saved."))
     export_cmds.print_plan_lines(con, report)
-    for note in filter(None, [sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem)]):
+    for note in filter(None, [sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem),
+                              fp8_recipe_note(problem)]):
         con.print(Text(note))
 
 
@@ -387,7 +403,8 @@ def predict(
         mem = rep["memory_gb"]
         con = stdout_console()
         con.print(Text(f"Problem: {export_cmds.problem_text(problem)}."))
-        for line in filter(None, [sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem)]):
+        for line in filter(None, [sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem),
+                                  fp8_recipe_note(problem)]):
             con.print(Text(line))
         con.print(Text(f"Plan: --plan \"{plan_text(rep['plan'])}\""))
         con.print(Text(f"Plan {plan_text(rep['plan'])}: {rep['step_time_s']:.3f} s per step, "

@@ -124,6 +124,22 @@ def test_the_cli_prices_the_recipe():
     assert step("--fp8-recipe", "tensorwise") > step()
 
 
+@pytest.mark.parametrize("args,note", [
+    (["--precision", "bf16", "--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8 has no effect: the job trains in bf16"),
+    (["--precision", "fp8", "--fp8-recipe", "tensorwise"], "amax in a kernel of its own"),
+    (["--precision", "fp8"], None),
+])
+def test_predict_says_what_the_recipe_does(args, note):
+    r = CliRunner().invoke(app, ["predict", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch",
+                                 "64", "--seq-len", "4096", "--plan", "tp=2,dp=4,zero=1", *args])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    if note:
+        assert note in text
+    else:
+        assert "fp8-recipe" not in text and "current scaling" not in text
+
+
 def test_megatron_export_names_the_recipe():
     plan = Plan(tp=1, pp=1, dp=8, mbs=1, zero=1)
     argv = export("megatron", plan, _problem("tensorwise")).text.split()
