@@ -120,6 +120,12 @@ def fp8_recipe_note(problem) -> str:
     return ""
 
 
+def problem_notes(problem) -> list:
+    """The notes `search` and `predict` print under the problem: what the cost model counts for it."""
+    return [n for n in (sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem),
+                        fp8_recipe_note(problem)) if n]
+
+
 def _space_line(space: dict, elapsed_s: float) -> str:
     illegal = space.get("illegal") or {}
     reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(illegal.items(), key=lambda kv: -kv[1]))
@@ -345,8 +351,7 @@ def _print_search(report: dict, problem, strategy: str, choice, saved) -> None:
         con.print(Text(f"Strategy: exhaustive ({choice.reason})."))
     con.print(Text(f"Report saved to {', '.join(saved)}" if saved else "Report not saved."))
     export_cmds.print_plan_lines(con, report)
-    for note in filter(None, [sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem),
-                              fp8_recipe_note(problem)]):
+    for note in problem_notes(problem):
         con.print(Text(note))
 
 
@@ -403,8 +408,7 @@ def predict(
         mem = rep["memory_gb"]
         con = stdout_console()
         con.print(Text(f"Problem: {export_cmds.problem_text(problem)}."))
-        for line in filter(None, [sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem),
-                                  fp8_recipe_note(problem)]):
+        for line in problem_notes(problem):
             con.print(Text(line))
         con.print(Text(f"Plan: --plan \"{plan_text(rep['plan'])}\""))
         con.print(Text(f"Plan {plan_text(rep['plan'])}: {rep['step_time_s']:.3f} s per step, "

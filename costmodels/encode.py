@@ -170,7 +170,7 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         mb_grad_buffer=float(j.framework.microbatch_grad_buffer),
         moe_capacity=float(j.framework.moe_expert_capacity_factor),
         # the primary weights' bytes, which ZeRO-1 / FSDP all-gather (fp8 / NVFP4 with --fp8-param-gather)
-        primary_weight_bytes=memory.primary_weight_bytes(prec.value, weight_bytes, j.framework.fp8_param_gather),
+        primary_weight_bytes=memory.primary_weight_bytes(prec, weight_bytes, j.framework.fp8_param_gather),
         ep_a2a_overlap=float(j.framework.overlap_moe_expert_parallel_comm),
         permute_fusion=float(j.framework.moe_permute_fusion),
         loss_bytes=compute.LOSS_BYTES_PER_LOGIT[loss],

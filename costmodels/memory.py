@@ -27,6 +27,7 @@ from .communication import DataParallelGroups
 from .compute import Shapes, moe_load
 from .params import EfficiencyParams
 from .pipeline import in_flight_micro_batches
+from .specs import Precision
 
 # optimizer state (12 bytes per parameter [Z20], 8 in fp32 training), weight (2, 4 in fp32) and activation
 # bytes per element (2, 4 in fp32) come with the job: costmodels.encode.encode_job
@@ -152,11 +153,11 @@ FP8_PRIMARY_WEIGHT_BYTES = 1.0
 FP4_PRIMARY_WEIGHT_BYTES = 0.5 + 1.0 / 16.0
 
 
-def primary_weight_bytes(precision: str, weight_bytes: float, low_precision_params: bool) -> float:
+def primary_weight_bytes(precision: Precision, weight_bytes: float, low_precision_params: bool) -> float:
     """Bytes per parameter of the primary weights, which the distributed optimizer / FSDP also all-gathers."""
-    if low_precision_params and precision == "fp8":
+    if low_precision_params and precision is Precision.FP8:
         return FP8_PRIMARY_WEIGHT_BYTES
-    if low_precision_params and precision == "fp4":
+    if low_precision_params and precision is Precision.FP4:
         return FP4_PRIMARY_WEIGHT_BYTES
     return weight_bytes
 #: CUDA context, NCCL and framework buffers, TE workspaces per GPU
