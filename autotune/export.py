@@ -149,6 +149,7 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     Megatron-FSDP = zero 3)."""
     check_plan(plan, problem)
     _refuse_sync_tp(target, problem)
+    _refuse_fp8_attention(target, problem)
     fw = problem.job.framework
     if plan.pp > 1 and fw.pipeline_schedule is PipelineSchedule.GPIPE:
         raise ExportRefused(target, "pipeline_schedule=gpipe", "Megatron-Core schedules pipelines with 1F1B "
@@ -238,10 +239,26 @@ def _refuse_sync_tp(target: str, problem: Problem) -> None:
                             "score the plan with the default to export it")
 
 
+def _refuse_fp8_attention(target: str, problem: Problem) -> None:
+    """Transformer Engine's fp8 attention is a Megatron-Core TransformerConfig field that no exported command
+    can set: Megatron-LM's arguments.py lists it among the fields with no CLI argument, and a Megatron-Bridge
+    mixed_precision preset (the override this export names) sets fp8_dot_product_attention=False over the model
+    config at runtime (MixedPrecisionConfig.setup); its GB200 recipes set it in Python instead."""
+    if not problem.job.framework.fp8_dot_product_attention:
+        return
+    how = {"megatron": "Megatron-LM's pretrain arguments have no flag for it (a TransformerConfig field only)",
+           "bridge": "the mixed_precision preset this export names turns it off over model.* at runtime; set "
+                     "cfg.mixed_precision.fp8_dot_product_attention=True in the recipe, as its GB200 recipes do"}
+    raise ExportRefused(target, "fp8_dot_product_attention=true",
+                        how.get(target, f"Transformer Engine's fp8 attention is a Megatron-Core setting; {target} "
+                                        "has none") + "; or score the plan without --fp8-dot-product-attention")
+
+
 def _refuse_cuda_graphs(target: str, problem: Problem) -> None:
     """The plan was scored with Megatron-Core's CUDA graphs (or its batch-level EP overlap), which
     other frameworks do not run."""
     _refuse_sync_tp(target, problem)
+    _refuse_fp8_attention(target, problem)
     if problem.job.framework.overlap_moe_expert_parallel_comm:
         raise ExportRefused(target, "overlap_moe_expert_parallel_comm=true", f"Megatron-Core's batch-level EP "
                             f"overlap has no {target} setting; score the plan without it, or export --to megatron / bridge")
@@ -463,6 +480,7 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     recipes (the mapping of docs/megatron-lm-to-megatron-bridge.md)."""
     check_plan(plan, problem)
     _refuse_sync_tp("bridge", problem)
+    _refuse_fp8_attention("bridge", problem)
     fw, job = problem.job.framework, problem.job
     if job.precision not in (Precision.BF16, Precision.FP16, Precision.FP8, Precision.FP4):
         raise ExportRefused("bridge", f"precision={job.precision.value}", "Megatron-Bridge's recipes are mixed "

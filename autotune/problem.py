@@ -55,7 +55,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    moe_permute_fusion: bool | None = None,
                    cross_entropy_loss_fusion: bool | None = None,
                    cross_entropy_fusion_impl: str | None = None,
-                   fp8_recipe: str | None = None) -> FrameworkSpec:
+                   fp8_recipe: str | None = None,
+                   fp8_dot_product_attention: bool | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
@@ -66,7 +67,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                                    gradient_accumulation_fusion=gradient_accumulation_fusion,
                                    async_tensor_model_parallel_allreduce=async_tensor_model_parallel_allreduce,
                                    moe_permute_fusion=moe_permute_fusion,
-                                   cross_entropy_loss_fusion=cross_entropy_loss_fusion).items()
+                                   cross_entropy_loss_fusion=cross_entropy_loss_fusion,
+                                   fp8_dot_product_attention=fp8_dot_product_attention).items()
              if v is not None}
     if framework is not None:
         given["framework"] = Framework.parse(framework)

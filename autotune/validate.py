@@ -239,6 +239,9 @@ def moe_recipe_options(row: dict) -> dict:
     if extras.get("moe_token_drop"):
         # Bridge's apply_moe_token_drop: --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity
         out["moe_expert_capacity_factor"] = TOKEN_DROP_CAPACITY_FACTOR
+    if extras.get("fp8_dot_product_attention"):
+        # mixed_precision.fp8_dot_product_attention: Transformer Engine's fp8 attention, on cuDNN's fused kernel
+        out["fp8_dot_product_attention"], out["attention_backend"] = True, AttentionBackend.FUSED
     impl = rec.get("cuda_graph_impl")
     if not impl and extras.get("enable_cuda_graph"):
         impl = "local"              # transformer_config.py: deprecated enable_cuda_graph = cuda_graph_impl local
@@ -321,9 +324,11 @@ def case_from_row(row: dict) -> RowCase:
     recipe = is_nemo_recipe(row)
     bridge = is_bridge_recipe(row)
     fw_kind = Framework.DEEPSPEED if runs_deepspeed_zero(row) else Framework.MEGATRON
+    recipe_options = moe_recipe_options(row)
     framework = FrameworkSpec(
         framework=fw_kind,
-        attention_backend=AttentionBackend.FLASH if modern else AttentionBackend.UNFUSED,
+        attention_backend=recipe_options.pop("attention_backend",
+                                             AttentionBackend.FLASH if modern else AttentionBackend.UNFUSED),
         tp_comm_overlap=modern,
         # NeMo / Megatron-Bridge benchmark recipes reduce gradients in bf16 (perf_recipes/_common.py
         # sets grad_reduce_in_fp32=False); otherwise the framework's own default
@@ -335,7 +340,7 @@ def case_from_row(row: dict) -> RowCase:
         cross_entropy_loss_fusion=bridge,
         cross_entropy_fusion_impl=CrossEntropyImpl.TE if bridge else CrossEntropyImpl.NATIVE,
         fp8_recipe=fp8_recipe_of(row),
-        **moe_recipe_options(row))
+        **recipe_options)
     if launch.get("framework"):       # the options its published launch script (or the code of its time) ran with
         stated = framework_spec(**launch["framework"])
         framework = dataclasses.replace(framework, **{k: getattr(stated, k) for k in launch["framework"]})

@@ -18,7 +18,7 @@ from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, P
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
                          MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt, CudaGraphImplOpt,
-                         Fp8RecipeOpt,
+                         Fp8AttentionOpt, Fp8RecipeOpt,
                          CudaGraphModulesOpt, framework_options_of)
 from costmodels.specs import SpecError
 
@@ -61,6 +61,7 @@ def explain(
     cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     fp8_recipe: Fp8RecipeOpt = None,
+    fp8_dot_product_attention: Fp8AttentionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -224,6 +225,7 @@ def whatif(
     cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     fp8_recipe: Fp8RecipeOpt = None,
+    fp8_dot_product_attention: Fp8AttentionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -25,7 +25,7 @@ from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
     OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt,
-    CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8RecipeOpt,
+    CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, Fp8RecipeOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options_of,
 )
@@ -120,10 +120,20 @@ def fp8_recipe_note(problem) -> str:
     return ""
 
 
+def fp8_attention_note(problem) -> str:
+    """A note when the attention core runs in fp8: what the cost model charges, and that no export sets it."""
+    from costmodels.compute import FP8_ATTENTION_SPEEDUP
+    if not problem.job.fp8_attention:
+        return ""
+    return (f"Note: the attention core runs in fp8 (Transformer Engine on cuDNN), costed at "
+            f"{FP8_ATTENTION_SPEEDUP:g}x its bf16 rate (a Hopper figure; none is published for Blackwell), plus the "
+            "casts of Q, K, V, O and dO; no exported command can set it (see export).")
+
+
 def problem_notes(problem) -> list:
     """The notes `search` and `predict` print under the problem: what the cost model counts for it."""
     return [n for n in (sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem),
-                        fp8_recipe_note(problem)) if n]
+                        fp8_recipe_note(problem), fp8_attention_note(problem)) if n]
 
 
 def _space_line(space: dict, elapsed_s: float) -> str:
@@ -227,6 +237,7 @@ def search(
     cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     fp8_recipe: Fp8RecipeOpt = None,
+    fp8_dot_product_attention: Fp8AttentionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
@@ -385,6 +396,7 @@ def predict(
     cross_entropy_loss_fusion: CrossEntropyFusionOpt = None,
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     fp8_recipe: Fp8RecipeOpt = None,
+    fp8_dot_product_attention: Fp8AttentionOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -50,6 +50,11 @@ CudaGraphImplOpt = Annotated[Optional[str], typer.Option("--cuda-graph-impl", he
 Fp8RecipeOpt = Annotated[Optional[str], typer.Option(
     "--fp8-recipe", help="With --precision fp8: delayed (Megatron's default), tensorwise (current scaling: an "
                          "amax pass per cast), mxfp8 (Blackwell only) or blockwise (Hopper and Blackwell).")]
+Fp8AttentionOpt = Annotated[Optional[bool], typer.Option(
+    "--fp8-dot-product-attention/--no-fp8-dot-product-attention",
+    help="With --precision fp8 and --attention-backend fused: Transformer Engine's fp8 attention on cuDNN "
+         "(Megatron-Core's fp8_dot_product_attention; delayed on Hopper / Blackwell, tensorwise and mxfp8 on "
+         "Blackwell). Default off.")]
 CudaGraphModulesOpt = Annotated[Optional[list[str]], typer.Option(
     "--cuda-graph-modules", "--cuda-graph-scope", metavar="MODULES",
     help="Regions per-layer graphs capture: attn, mlp, moe, moe_router, moe_preprocess (comma-separated or repeated; "
@@ -61,7 +66,7 @@ FRAMEWORK_FLAGS = ("framework", "attention_backend", "tp_comm_overlap", "grad_re
                    "moe_token_dispatcher_type", "cuda_graph_impl", "cuda_graph_modules",
                    "overlap_moe_expert_parallel_comm", "overlap_grad_reduce", "overlap_param_gather",
                    "gradient_accumulation_fusion", "moe_permute_fusion", "cross_entropy_loss_fusion",
-                   "cross_entropy_fusion_impl", "fp8_recipe")
+                   "cross_entropy_fusion_impl", "fp8_recipe", "fp8_dot_product_attention")
 
 
 def framework_options_of(values: dict) -> dict:
@@ -73,7 +78,8 @@ def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce
                       moe_token_dispatcher_type, cuda_graph_impl=None, cuda_graph_modules=None,
                       overlap_moe_expert_parallel_comm=None, overlap_grad_reduce=None,
                       overlap_param_gather=None, gradient_accumulation_fusion=None, moe_permute_fusion=None,
-                      cross_entropy_loss_fusion=None, cross_entropy_fusion_impl=None, fp8_recipe=None) -> dict:
+                      cross_entropy_loss_fusion=None, cross_entropy_fusion_impl=None, fp8_recipe=None,
+                      fp8_dot_product_attention=None) -> dict:
     """The framework flags as `api.build_problem(framework=...)` takes them."""
     return {"framework": framework, "attention_backend": attention_backend, "tp_comm_overlap": tp_comm_overlap,
             "grad_reduce_in_fp32": None if grad_reduce_in_bf16 is None else not grad_reduce_in_bf16,
@@ -83,4 +89,5 @@ def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce
             "overlap_grad_reduce": overlap_grad_reduce, "overlap_param_gather": overlap_param_gather,
             "gradient_accumulation_fusion": gradient_accumulation_fusion, "moe_permute_fusion": moe_permute_fusion,
             "cross_entropy_loss_fusion": cross_entropy_loss_fusion,
-            "cross_entropy_fusion_impl": cross_entropy_fusion_impl, "fp8_recipe": fp8_recipe}
+            "cross_entropy_fusion_impl": cross_entropy_fusion_impl, "fp8_recipe": fp8_recipe,
+            "fp8_dot_product_attention": fp8_dot_product_attention}

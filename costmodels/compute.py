@@ -15,6 +15,7 @@ Sources
   [GS]  Lepikhin et al. 2020 (GShard) / Megatron-Core MoE: tokens dispatched k times; EP shards
         experts, ETP shards each expert's FFN.
   [TE]  Transformer Engine fp8: inputs of every GEMM are cast (and transposed for wgrad).
+  [cuDNN9] NVIDIA, "Accelerating Transformers with NVIDIA cuDNN 9" (2024): SDPA in bf16 and fp8 on H100 / H200.
 """
 from __future__ import annotations
 
@@ -113,6 +114,15 @@ ATTN_HEAD_DIM_HALF = 64.0
 #: forward on the GPU and once on the host, so the constants are the forward equivalents of those totals
 ROPE_UNFUSED_EXTRA_BYTES = (20.0 + 22.0) / 3.0
 ROPE_UNFUSED_EXTRA_LAUNCHES = (22.0 + 12.0) / 2.0
+#: fused attention in fp8 against bf16, same kernel family: cuDNN 9's SDPA runs up to 2x (bf16) and 3x (fp8)
+#: PyTorch's eager attention on H100 / H200, 1.2 PFLOP/s in fp8 [cuDNN9 blog]; FlashAttention-3's forward ~1.2
+#: PFLOP/s fp8 against ~0.74 bf16 on H100 (1.6x) [FA3]. The tensor cores double, the softmax's exponentials
+#: do not; no Blackwell figure is published, so the Hopper ratio stands for both
+FP8_ATTENTION_SPEEDUP = 1.5
+#: elements per token Transformer Engine's fp8 attention casts to fp8, relative to the layer's: forward Q, K, V;
+#: backward O and dO (DotProductAttention with fp8_dpa and not fp8_mha), each at lp_cast_bytes; the layer's
+#: backward elementwise work is costed as twice its forward, so the charge sits in the forward as a third
+FP8_ATTENTION_CASTS_PER_FWD = 1.0 / 3.0
 #: keys per tile of the fused attention kernels: FlashAttention-2 picks key blocks of 64 or 128 by head
 #: dimension [FA, sec. 3.3], FlashAttention-3 128 [FA3]; a sliding window's first and last key blocks
 #: are computed whole and masked
@@ -281,7 +291,8 @@ def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: Efficiency
     head_dim = 0.5 * (M["qk_head_dim"] + M["v_head_dim"])
     head_eff = jnp.minimum(saturate(head_dim, ATTN_HEAD_DIM_HALF) / saturate(128.0, ATTN_HEAD_DIM_HALF), 1.0)
     fused_flops = 2.0 * T * fused_attention_keys_per_query(S, M, J, e) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
-    t_fused = fused_flops / (H["peak_bf16"] * e.attn_eff_max * head_eff)
+    fp8_speedup = jnp.where(J["fp8_attention"] > 0, FP8_ATTENTION_SPEEDUP, 1.0)
+    t_fused = fused_flops / (H["peak_bf16"] * e.attn_eff_max * head_eff * fp8_speedup)
     scores_per_bw = T * s * heads_local / (H["hbm_bw"] * e.hbm_eff)
     t_bmm = 2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
     fwd_bytes = e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_FWD
@@ -317,7 +328,10 @@ def elementwise_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     T, Te, tp, h = S.tokens, S.tokens_elem, S.tp, M["hidden"]
     f, fe, sf, routed = M["ffn"], M["expert_ffn"], M["shared_ffn"], S.routed_tokens
     lp = J["low_precision"] * e.lp_cast_bytes + J["fp8_amax_pass"] * FP8_AMAX_PASS_BYTES
-    attn = (Te * h * e.elementwise_bytes_h + lp * (Te * h + T * M["attn_out_k"] / tp)) / bw
+    # fp8 attention's casts: Q, K, V forward (the fused QKV width; MLA's up-projected K and V), O and dO backward
+    fp8_attn_elems = T * (M["q_up_n"] + M["kv_up_n"] + 2.0 * M["attn_out_k"]) / tp * FP8_ATTENTION_CASTS_PER_FWD
+    attn = (Te * h * e.elementwise_bytes_h + lp * (Te * h + T * M["attn_out_k"] / tp)
+            + J["fp8_attention"] * e.lp_cast_bytes * fp8_attn_elems) / bw
     dense = (T * f / tp * e.elementwise_bytes_f + lp * (Te * h + T * f / tp)) / bw
     moe = (routed * fe * e.elementwise_bytes_f + T / tp * sf * e.elementwise_bytes_f
            + jnp.where(J["permute_fusion"] > 0, PERMUTE_BYTES_PER_H, UNFUSED_PERMUTE_BYTES_PER_H) * routed * h

@@ -152,6 +152,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         # --fp8-recipe tensorwise measures each tensor's amax in a pass of its own before the cast
         fp8_amax_pass=float(j.fp8_recipe is Fp8Recipe.TENSORWISE),
         flash=float(j.flash_attention),
+        # --fp8-dot-product-attention: cuDNN's fused attention in fp8 (compute.attention_core_fwd_bwd_s)
+        fp8_attention=float(j.fp8_attention),
         # Megatron's fused scale-mask-softmax: the job's shape rules (fp16/bf16 scores, 16 < sk <= 4096, sq and
         # sk multiples of 4) and the kernel's batches per block, 8 for sk <= 128 (two rows per warp), else 4;
         # the plan's micro-batch x heads per rank decides the rest (compute.softmax_fallback)

@@ -442,6 +442,12 @@ class Fp8Recipe(enum.Enum):
 #: GPU families each fp8 recipe runs on (TE check_recipe_support; MXFP8 not on 12.x yet); a GPU of no
 #: stated family is not checked
 FP8_RECIPE_FAMILIES = {Fp8Recipe.MXFP8: ("blackwell",), Fp8Recipe.BLOCKWISE: ("hopper", "blackwell")}
+#: GPU families whose cuDNN fused attention runs each recipe in fp8 (TE v2.18 dot_product_attention/utils.py
+#: get_attention_backend: delayed scaling on Hopper and Blackwell, current scaling and MXFP8 on sm100+ only;
+#: cuDNN's support matrix lists fp8 attention for Hopper and Blackwell). Megatron-Core passes no fp8_dpa to
+#: block scaling (fp8_utils.get_fp8_recipe), so blockwise has none
+FP8_ATTENTION_FAMILIES = {Fp8Recipe.DELAYED: ("hopper", "blackwell"), Fp8Recipe.TENSORWISE: ("blackwell",),
+                          Fp8Recipe.MXFP8: ("blackwell",), Fp8Recipe.BLOCKWISE: ()}
 
 
 class DispatcherType(enum.Enum):
@@ -596,6 +602,10 @@ class FrameworkSpec:
     cross_entropy_fusion_impl: CrossEntropyImpl = CrossEntropyImpl.NATIVE
     # --fp8-recipe (Megatron-Core's default "delayed"), used when the job trains in fp8
     fp8_recipe: Fp8Recipe = Fp8Recipe.DELAYED
+    # TransformerConfig.fp8_dot_product_attention (default off; Megatron-LM's pretrain scripts have no flag for it,
+    # Megatron-Bridge sets mixed_precision.fp8_dot_product_attention): Transformer Engine runs the attention
+    # core in fp8 on cuDNN's fused kernel (Q, K, V, dO quantized; compute.FP8_ATTENTION_SPEEDUP)
+    fp8_dot_product_attention: bool = False
 
     def __post_init__(self):
         cf = self.moe_expert_capacity_factor
@@ -605,7 +615,7 @@ class FrameworkSpec:
         for f in ("tp_comm_overlap", "grad_reduce_in_fp32", "fp8_param_gather", "overlap_grad_reduce",
                   "overlap_param_gather", "microbatch_grad_buffer", "overlap_moe_expert_parallel_comm",
                   "gradient_accumulation_fusion", "async_tensor_model_parallel_allreduce", "moe_permute_fusion",
-                  "cross_entropy_loss_fusion"):
+                  "cross_entropy_loss_fusion", "fp8_dot_product_attention"):
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
         if not isinstance(self.cross_entropy_fusion_impl, CrossEntropyImpl):
@@ -613,6 +623,14 @@ class FrameworkSpec:
                             f"must be a CrossEntropyImpl, got {self.cross_entropy_fusion_impl!r}")
         if not isinstance(self.fp8_recipe, Fp8Recipe):
             raise SpecError("fp8_recipe", f"must be an Fp8Recipe, got {self.fp8_recipe!r}")
+        if self.fp8_dot_product_attention:
+            if self.framework is not Framework.MEGATRON:
+                raise SpecError("fp8_dot_product_attention", f"is a Megatron-Core option (Transformer Engine's fp8 "
+                                f"attention); {self.framework.value} has none here")
+            if self.attention_backend is not AttentionBackend.FUSED:
+                raise SpecError("fp8_dot_product_attention", "runs on cuDNN's fused attention only (Transformer "
+                                "Engine disables FlashAttention and unfused attention for fp8 training): use "
+                                f"attention_backend=fused, got {self.attention_backend.value}")
         if self.overlap_moe_expert_parallel_comm:
             if self.framework is not Framework.MEGATRON:
                 raise SpecError("overlap_moe_expert_parallel_comm", f"is a Megatron-Core option; {self.framework.value} "
@@ -687,6 +705,9 @@ class JobSpec:
         _positive("seq_len", self.seq_len)
         if self.framework.fp8_param_gather and self.precision not in (Precision.FP8, Precision.FP4):
             raise SpecError("fp8_param_gather", f"needs fp8 (or fp4) training, got precision={self.precision.value}")
+        if self.framework.fp8_dot_product_attention and self.precision is not Precision.FP8:
+            raise SpecError("fp8_dot_product_attention", f"needs fp8 training (Transformer Engine has no fused "
+                            f"attention for NVFP4), got precision={self.precision.value}")
         if self.framework.overlap_moe_expert_parallel_comm and self.precision is Precision.FP32:
             raise SpecError("overlap_moe_expert_parallel_comm", "is supported with a bf16 or fp16 model only "
                             "(Megatron-Core rule), got precision=fp32")
@@ -699,13 +720,30 @@ class JobSpec:
             return None
         return self.framework.fp8_recipe
 
+    @property
+    def fp8_attention(self) -> bool:
+        """Whether Transformer Engine runs the attention core in fp8 (--fp8-dot-product-attention, fp8 training)."""
+        return self.fp8_recipe is not None and self.framework.fp8_dot_product_attention
+
     def check_fp8_recipe_for(self, gpu: "GPUSpec") -> None:
-        """Transformer Engine refuses a recipe the GPU cannot run (quantization.py check_recipe_support)."""
+        """Transformer Engine refuses a recipe the GPU cannot run (quantization.py check_recipe_support), and
+        has no fused fp8 attention for a recipe on a GPU outside FP8_ATTENTION_FAMILIES (no backend is left:
+        it raises); Megatron-Core gives block scaling no fp8 attention at all."""
         families = FP8_RECIPE_FAMILIES.get(self.fp8_recipe, ())
         if families and gpu.family and gpu.family not in families:
             raise SpecError("fp8_recipe", f"{self.fp8_recipe.value} runs on {' / '.join(families)} GPUs only "
                             f"(Transformer Engine's recipe check); {gpu.name} is {gpu.family}: "
                             "use delayed or tensorwise")
+        if not self.fp8_attention:
+            return
+        families = FP8_ATTENTION_FAMILIES[self.fp8_recipe]
+        if not families:
+            raise SpecError("fp8_dot_product_attention", f"has no effect with fp8_recipe={self.fp8_recipe.value} "
+                            "(Megatron-Core passes no fp8_dpa to block scaling: the attention stays bf16); drop it")
+        if gpu.family and gpu.family not in families:
+            raise SpecError("fp8_dot_product_attention", f"with fp8_recipe={self.fp8_recipe.value} runs on "
+                            f"{' / '.join(families)} GPUs only (Transformer Engine's fused fp8 attention); "
+                            f"{gpu.name} is {gpu.family}" + (": use fp8_recipe=delayed" if gpu.family == "hopper" else ""))
 
     @property
     def flash_attention(self) -> bool:

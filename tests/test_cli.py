@@ -65,7 +65,8 @@ FRAMEWORK_OPTIONS = {"--framework", "--attention-backend", "--tp-comm-overlap", 
                      "--overlap-grad-reduce", "--no-overlap-grad-reduce", "--overlap-param-gather",
                      "--no-overlap-param-gather", "--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion",
                      "--moe-permute-fusion", "--no-moe-permute-fusion", "--cross-entropy-loss-fusion",
-                     "--no-cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "--fp8-recipe"}
+                     "--no-cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "--fp8-recipe",
+                     "--fp8-dot-product-attention", "--no-fp8-dot-product-attention"}
 SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
