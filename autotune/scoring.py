@@ -5,6 +5,7 @@ through one jitted function; only step time and peak memory come back to the hos
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -170,6 +171,17 @@ def prefetch(name: str, jitted, args: tuple) -> None:
     thread = threading.Thread(target=work, name=f"autotune-compile-{name}", daemon=True)
     _PENDING[sig] = (thread, box)
     thread.start()
+
+
+@atexit.register
+def _finish_prefetches() -> None:
+    """Wait for the background compiles before the interpreter finalizes. A daemon thread still inside
+    XLA's C++ compiler when Python tears down is ended by a forced unwind that aborts the whole process
+    ("terminate called ... FATAL: exception not rethrown", exit 134): a command that stops early, e.g.
+    with the one-line "no legal plan" error while the breakdown scorer compiles, lost its exit code 2.
+    atexit callbacks run before finalization stops the daemon threads."""
+    for thread, _ in list(_PENDING.values()):
+        thread.join()
 
 
 def run_compiled(name: str, jitted, args: tuple):

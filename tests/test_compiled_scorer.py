@@ -103,3 +103,31 @@ def test_a_prefetch_that_fails_leaves_the_first_use_to_compile(monkeypatch):
     assert box == []
     out = scoring.score_full(batch.select(np.arange(3)), inp, params)   # another shape: compiled on use
     assert np.all(np.isfinite(out["step_time_s"]))
+
+
+EXIT_WHILE_COMPILING = """
+import sys
+import time
+from autotune import scoring
+from autotune.api import build_problem
+from costmodels.params import EfficiencyParams
+inp = scoring.Inputs(build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=64, seq_len=4096))
+scoring.prefetch_full(inp, EfficiencyParams(), 8)
+time.sleep(1.0)      # past the tracing, into XLA's compile (~3 s cold on two cores)
+sys.exit(2)          # as a command that stops early does (the one-line "no legal plan" error, exit 2)
+"""
+
+
+def test_a_process_that_exits_while_a_scorer_compiles_keeps_its_exit_code(tmp_path):
+    """A background compile still inside XLA when Python finalizes used to abort the process ("terminate
+    called ... FATAL: exception not rethrown", exit 134) instead of exiting with the command's code; an empty
+    compilation cache makes the compile cold, so the exit lands mid-compile every time."""
+    import os
+    import subprocess
+    import sys
+    for i in range(2):
+        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / f"cache{i}"), "JAX_PLATFORMS": "cpu"}
+        r = subprocess.run([sys.executable, "-c", EXIT_WHILE_COMPILING], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "terminate called" not in r.stderr and "FATAL" not in r.stderr
