@@ -538,6 +538,8 @@ def validate_runs(file: str | None = None, *, dataset: str | None = None, params
         raise SpecError("FILE", "give a runs file or --dataset public|small-scale|korthikanti22 (one of them)")
     path = dataset_path(dataset) if dataset is not None else file
     rows = load_runs(path)
+    if not rows:
+        raise SpecError("FILE", f"{path} holds no runs")
     bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
     if bad is not None:
         raise SpecError("FILE", f"{path}: run {bad} is not a JSON object (got {type(rows[bad]).__name__})")

@@ -451,7 +451,7 @@ def validate(
         summary = api.validate(file, dataset=dataset, calibration=calibration, only_usable=not all_rows)
     if as_json:
         print_json(summary)
-        return EXIT_OK
+        return _none_scored(summary)
     con = stdout_console()
     table = Table(title=f"Predicted vs measured tokens/s per GPU: {summary['source']}", title_justify="left")
     for col in ("id", "measured tok/s/GPU", "predicted", "error %", "fits", "filled knobs", "skipped reason"):
@@ -478,7 +478,16 @@ def validate(
     if summary.get("calibration_gpu"):
         con.print(Text(f"Calibration {summary['calibration']} (fitted for {summary['calibration_gpu']}) applied to "
                        f"that GPU's runs only; the others are skipped."))
-    return EXIT_OK
+    return _none_scored(summary)
+
+
+def _none_scored(summary: dict) -> int:
+    """A validation that scored no run measured nothing: say so and exit 2, so that a CI gate on it fails."""
+    if summary["n_scored"]:
+        return EXIT_OK
+    error_line(f"FILE: none of the {summary['n_skipped']} runs of {summary['source']} could be scored "
+               "(each one's reason is in the skipped column / field)")
+    return EXIT_BAD_INPUT
 
 
 # issue 5: explain / calibrate / whatif

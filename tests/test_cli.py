@@ -397,6 +397,22 @@ def test_validate_invalid_json(tmp_path):
     assert_one_line_error(run("validate", path), 2, "FILE", "not valid JSON")
 
 
+def test_validate_that_scores_nothing_fails(tmp_path):
+    """An empty runs file, or one whose every run is skipped, measured nothing: one line, exit 2 (a CI gate
+    on `autotune validate` must not pass on it), after the table (or JSON) that says why each was skipped."""
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    assert_one_line_error(run("validate", empty), 2, "FILE", "holds no runs")
+    skipped = tmp_path / "skipped.json"
+    skipped.write_text(json.dumps([{"id": "no-model"}, {"id": "no-gpu", "model": {"layers": 2, "hidden": 64}}]))
+    for extra in ((), ("--json",)):
+        result = run("validate", skipped, *extra)
+        assert result.exit_code == 2, (result.stderr, result.exception)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "none of the 2 runs" in lines[0] and "Traceback" not in result.stderr
+        assert "no-model" in result.stdout
+
+
 def test_validate_not_a_list_of_objects(tmp_path):
     path = tmp_path / "scalars.json"
     path.write_text("[1, 2]")
