@@ -227,6 +227,17 @@ def _recipe(row: dict) -> dict:
     return {} if not rec or rec.get("unknown") else rec
 
 
+def recipe_vpp(row: dict) -> int | None:
+    """The virtual pipeline size of the recipe behind a published Megatron-Bridge run whose parallelism it
+    matched (recipe_settings.json provenance): its virtual_pipeline_model_parallel_size, where None means no
+    interleaving (Megatron-Core: 1). None where no recipe matched: the knob is then filled as unknown."""
+    prov = _recipe(row).get("provenance") or {}
+    par = prov.get("recipe_parallelism") or {}
+    if not prov.get("match") or "vpp" not in par:
+        return None
+    return int(par["vpp"] or 1)
+
+
 def moe_recipe_options(row: dict) -> dict:
     """The framework options the recipe ran a published Megatron-Bridge MoE run with: its dispatcher,
     batch-level EP overlap, token drop and CUDA graphs."""
@@ -354,6 +365,8 @@ def case_from_row(row: dict) -> RowCase:
     fixed, filled = {}, []
     for knob, key in _KNOWN_PLAN.items():
         val = plan.get(key)
+        if val is None and knob == "vpp":
+            val = recipe_vpp(row)        # a blank VP column of a Bridge table: the recipe's, None = 1
         if val is None:
             if knob in ("cp", "ep"):
                 fixed[knob] = 1

@@ -217,3 +217,27 @@ def test_validation_runs_the_25_09_token_drop_recipe_as_it_ran():
     fw = case_from_row(row).problem.job.framework
     assert fw.moe_expert_capacity_factor == 1.0
     assert fw.cuda_graph_impl.value == "local" and fw.cuda_graph_modules == ()
+
+
+@pytest.mark.parametrize("row_id, vpp", [
+    # v0.4.0 gpt_oss_workload_base_configs.py: H100 pp 4 with virtual_pipeline_model_parallel_size=None (no
+    # interleaving); the table's VP column is blank, and the row was scored with the fastest legal vpp (3)
+    ("mbridge-arch-26.04-GPT_OSS_120B-DGX-H100-64g-BF16-124", 1),
+    ("mbridge-arch-26.02-Qwen3_235B_a22B-DGX-B200-256g-MXFP8-214", 1),
+    # the table states VP 4 for the H100 Qwen3-235B rows, and the recipe agrees
+    ("mbridge-arch-26.04-Qwen3_235B_a22B-DGX-H100-256g-FP8-133", 4),
+])
+def test_a_blank_vp_column_runs_the_matched_recipes_virtual_pipeline(row_id, vpp):
+    from autotune.datasets import load_dataset
+    from autotune.validate import case_from_row
+    row = next(r for r in load_dataset("public") if r.get("id") == row_id)
+    case = case_from_row(row)
+    assert case.fixed["vpp"] == vpp and "vpp" not in case.filled
+
+
+def test_a_row_no_recipe_matched_still_fills_its_blank_vp():
+    from autotune.datasets import load_dataset
+    from autotune.validate import case_from_row
+    row = next(r for r in load_dataset("public") if r.get("id") == "narayanan21-t2-ptdp-175B-384gpu")
+    assert row["plan"].get("vpp") is None
+    assert "vpp" in case_from_row(row).filled
