@@ -5,6 +5,7 @@ stderr, `error: <field>: <reason>` when the exit code is not 0; never a tracebac
 stdout is strict JSON (no NaN / Infinity); no input file is lost or overwritten, no report
 replaced. In process through typer's CliRunner (fast); the cases that would exhaust memory run in
 a subprocess under an address-space limit. Problems are tiny (8 GPUs), so scoring stays cheap.
+Deeper runs on demand: FUZZ_N=400 (examples per test) and FUZZ_RANDOM=1 (fresh seeds instead of the fixed ones).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from cli.main import app
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "64", "--seq-len", "4096"]
-FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=int(os.environ.get("FUZZ_N", 25)), deadline=None, derandomize=os.environ.get("FUZZ_RANDOM") is None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 runner = CliRunner()
@@ -89,6 +90,47 @@ def test_fuzz_problem_flags(command, flags, as_json, tmp_path_factory):
              "predict": ["--plan", "tp=1,pp=1"], "explain": ["--plan", "tp=1,pp=1"]}[command]
     result = run(command, *flags, *extra, *(["--json"] if as_json else []))
     assert_contract(result, as_json=as_json)
+
+
+#: the framework options (Megatron's names): valued flags with legal, illegal and odd values, and switches
+FRAMEWORK_VALUES = {
+    "--framework": st.sampled_from(["megatron", "deepspeed", "jax", "torch", ""]),
+    "--attention-backend": st.sampled_from(["flash", "fused", "unfused", "auto", ""]),
+    "--fp8-recipe": st.sampled_from(["delayed", "tensorwise", "mxfp8", "blockwise", "nvfp4", ""]),
+    "--moe-token-dispatcher-type": st.sampled_from(["alltoall", "allgather", "flex", "deepep"]),
+    "--cuda-graph-impl": st.sampled_from(["none", "local", "transformer_engine", "full_iteration", "x"]),
+    "--cuda-graph-modules": st.sampled_from(["attn", "mlp", "moe", "moe_router,moe_preprocess", "attn,,", "?"]),
+    "--cross-entropy-fusion-impl": st.sampled_from(["native", "te", "x"]),
+}
+FRAMEWORK_SWITCHES = ["tp-comm-overlap", "fp8-param-gather", "overlap-moe-expert-parallel-comm", "overlap-grad-reduce",
+                      "overlap-param-gather", "gradient-accumulation-fusion", "moe-permute-fusion",
+                      "cross-entropy-loss-fusion", "fp8-dot-product-attention"]
+
+
+@st.composite
+def framework_sets(draw):
+    """A dense or MoE problem at some precision on some GPU, with a random set of framework options."""
+    args = ["--model", draw(st.sampled_from(["llama3-8b", "mixtral-8x7b"])),
+            "--gpu", draw(st.sampled_from(["h100", "b200", "a100-80gb"])), "--gpus", "8", "--global-batch", "64",
+            "--seq-len", "4096", "--precision", draw(st.sampled_from(["bf16", "fp8", "fp4", "fp32"]))]
+    for flag in draw(st.lists(st.sampled_from(sorted(FRAMEWORK_VALUES)), max_size=3, unique=True)):
+        args += [flag, draw(FRAMEWORK_VALUES[flag])]
+    for name in draw(st.lists(st.sampled_from(FRAMEWORK_SWITCHES), max_size=4, unique=True)):
+        args.append(f"--{name}" if draw(st.booleans()) else f"--no-{name}")
+    return args
+
+
+@FUZZ
+@given(command=st.sampled_from([["search", "--no-save", "--no-sensitivity", "--strategy", "exhaustive"],
+                                ["predict", "--plan", "tp=1,pp=1"], ["export", "--plan", "tp=1,pp=1", "--to", "megatron"],
+                                ["export", "--plan", "tp=1,pp=1", "--to", "bridge"]]),
+       flags=framework_sets(), as_json=st.booleans())
+def test_fuzz_framework_options(command, flags, as_json):
+    """Every combination of Megatron's options either runs or is refused in one line (exit 2): the rules between
+    them (fp8 recipe / GPU, fp8 attention / backend, CUDA-graph modules / impl, ...) never crash."""
+    json_flag = ["--json"] if as_json and command[0] != "export" else []
+    result = run(*command, *flags, *json_flag)
+    assert_contract(result, as_json=bool(json_flag))
 
 
 # ---------------------------------------------------------------------------------------------
