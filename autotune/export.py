@@ -442,11 +442,11 @@ _BRIDGE_PRECISION = {Precision.BF16: "bf16_mixed", Precision.FP16: "fp16_mixed"}
 #: Megatron-Bridge's low-precision presets (training/mixed_precision.py), with the low-precision primary weights
 #: each sets (fp8_param_gather; fp4_param_gather for nvfp4): the preset is applied to model, optimizer and ddp at
 #: runtime (runtime_config_update -> MixedPrecisionConfig.setup), over any model / ddp override
-_BRIDGE_FP8_PRESETS = {Fp8Recipe.DELAYED: ("bf16_with_fp8_delayed_scaling_mixed", True),
+BRIDGE_FP8_PRESETS = {Fp8Recipe.DELAYED: ("bf16_with_fp8_delayed_scaling_mixed", True),
                        Fp8Recipe.TENSORWISE: ("bf16_with_fp8_current_scaling_mixed", False),
                        Fp8Recipe.MXFP8: ("bf16_with_mxfp8_mixed", True),
                        Fp8Recipe.BLOCKWISE: ("bf16_with_fp8_subchannel_scaling_mixed", False)}
-_BRIDGE_FP4_PRESET = ("bf16_with_nvfp4_mixed", True)
+BRIDGE_FP4_PRESET = ("bf16_with_nvfp4_mixed", True)
 
 
 def _bridge_precision(problem: Problem) -> str:
@@ -454,9 +454,9 @@ def _bridge_precision(problem: Problem) -> str:
     plan's --fp8-param-gather is refused (the preset wins at runtime)."""
     job = problem.job
     if job.precision is Precision.FP8:
-        what, (preset, gather) = f"{job.fp8_recipe.value} preset", _BRIDGE_FP8_PRESETS[job.fp8_recipe]
+        what, (preset, gather) = f"{job.fp8_recipe.value} preset", BRIDGE_FP8_PRESETS[job.fp8_recipe]
     elif job.precision is Precision.FP4:
-        what, (preset, gather) = "nvfp4 preset", _BRIDGE_FP4_PRESET
+        what, (preset, gather) = "nvfp4 preset", BRIDGE_FP4_PRESET
     else:
         return _BRIDGE_PRECISION[job.precision]
     if job.framework.fp8_param_gather != gather:

@@ -143,7 +143,13 @@ def is_bridge_recipe(row: dict) -> bool:
 
 
 def _fp8_param_recipe(row: dict) -> bool:
-    """MXFP8 and delayed scaling keep fp8 primary weights in the recipes; current scaling does not."""
+    """Whether a NeMo / Megatron-Bridge recipe's fp8 run kept fp8 primary weights. Megatron-Bridge: what the
+    mixed-precision preset of its recipe sets, which Bridge applies over the model config at runtime
+    (export.BRIDGE_FP8_PRESETS, the table the Bridge export uses: delayed and MXFP8 keep them, current scaling
+    and subchannel / block scaling do not). NeMo's own pages: "mx" or "delayed" in the label."""
+    if is_bridge_recipe(row):
+        from .export import BRIDGE_FP8_PRESETS
+        return BRIDGE_FP8_PRESETS[fp8_recipe_of(row)][1]
     prec = str((row.get("plan") or {}).get("precision") or "").lower()
     return "mx" in prec or "delayed" in prec
 
