@@ -256,6 +256,8 @@ def moe_recipe_options(row: dict) -> dict:
     if extras.get("moe_token_drop"):
         # Bridge's apply_moe_token_drop: --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity
         out["moe_expert_capacity_factor"] = TOKEN_DROP_CAPACITY_FACTOR
+    if rec.get("tp_comm_overlap") is not None:      # recorded for the tp > 1 rows (comm_overlap.tp_comm_overlap)
+        out["tp_comm_overlap"] = bool(rec["tp_comm_overlap"])
     if extras.get("fp8_dot_product_attention"):
         # mixed_precision.fp8_dot_product_attention: Transformer Engine's fp8 attention, on cuDNN's fused kernel
         out["fp8_dot_product_attention"], out["attention_backend"] = True, AttentionBackend.FUSED
@@ -346,7 +348,7 @@ def case_from_row(row: dict) -> RowCase:
         framework=fw_kind,
         attention_backend=recipe_options.pop("attention_backend",
                                              AttentionBackend.FLASH if modern else AttentionBackend.UNFUSED),
-        tp_comm_overlap=modern,
+        tp_comm_overlap=recipe_options.pop("tp_comm_overlap", modern),
         # NeMo / Megatron-Bridge benchmark recipes reduce gradients in bf16 (perf_recipes/_common.py
         # sets grad_reduce_in_fp32=False); otherwise the framework's own default
         grad_reduce_in_fp32=not recipe and fw_kind.grad_reduce_in_fp32_default,

@@ -241,3 +241,22 @@ def test_a_row_no_recipe_matched_still_fills_its_blank_vp():
     row = next(r for r in load_dataset("public") if r.get("id") == "narayanan21-t2-ptdp-175B-384gpu")
     assert row["plan"].get("vpp") is None
     assert "vpp" in case_from_row(row).filled
+
+
+@pytest.mark.parametrize("row_id, overlap", [
+    # v0.4.0 configs/qwen/qwen3_llm_pretrain.py qwen3_235b_a22b_pretrain_config_h100:
+    # cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=False)
+    ("mbridge-arch-26.04-Qwen3_235B_a22B-DGX-H100-256g-FP8-133", False),
+    # v0.2.0 configs/qwen3/qwen3_llm_pretrain.py qwen3_235b_a22b_h100_config: tp_comm_overlap=False
+    ("mbridge-arch-25.11-Qwen3_235B_a22B-DGX-H100-256g-FP8CS-247", False),
+    # v0.1.0rc3: run_script.py passes DeepSeek-V3 no comm-overlap config; the library recipe's default is off
+    ("mbridge-arch-25.09-DeepSeekV3_dropless_-DGX-H100-1024g-primary-272", False),
+    # v0.1.0rc3 run_script.py, qwen3 235b_a22b: CommOverlapConfig(tp_comm_overlap=True)
+    ("mbridge-arch-25.09-Qwen3_235B_a22B_tokendrop_-DGX-H100-256g-primary-275", True),
+])
+def test_a_bridge_row_with_tensor_parallelism_overlaps_tp_as_its_recipe_did(row_id, overlap):
+    from autotune.datasets import load_dataset
+    from autotune.validate import case_from_row
+    row = next(r for r in load_dataset("public") if r.get("id") == row_id)
+    assert row["plan"]["tp"] == 2
+    assert case_from_row(row).problem.job.framework.tp_comm_overlap is overlap
