@@ -148,8 +148,7 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     Refused: ZeRO-2 (DeepSpeed only; Megatron has the distributed optimizer = zero 1 and
     Megatron-FSDP = zero 3)."""
     check_plan(plan, problem)
-    _refuse_sync_tp(target, problem)
-    _refuse_fp8_attention(target, problem)
+    _refuse_unsettable(target, problem)
     fw = problem.job.framework
     if plan.pp > 1 and fw.pipeline_schedule is PipelineSchedule.GPIPE:
         raise ExportRefused(target, "pipeline_schedule=gpipe", "Megatron-Core schedules pipelines with 1F1B "
@@ -254,11 +253,16 @@ def _refuse_fp8_attention(target: str, problem: Problem) -> None:
                                         "has none") + "; or score the plan without --fp8-dot-product-attention")
 
 
+def _refuse_unsettable(target: str, problem: Problem) -> None:
+    """What no exported command of any target can set: 2021's synchronous TP all-reduce, fp8 attention."""
+    _refuse_sync_tp(target, problem)
+    _refuse_fp8_attention(target, problem)
+
+
 def _refuse_cuda_graphs(target: str, problem: Problem) -> None:
     """The plan was scored with Megatron-Core's CUDA graphs (or its batch-level EP overlap), which
     other frameworks do not run."""
-    _refuse_sync_tp(target, problem)
-    _refuse_fp8_attention(target, problem)
+    _refuse_unsettable(target, problem)
     if problem.job.framework.overlap_moe_expert_parallel_comm:
         raise ExportRefused(target, "overlap_moe_expert_parallel_comm=true", f"Megatron-Core's batch-level EP "
                             f"overlap has no {target} setting; score the plan without it, or export --to megatron / bridge")
@@ -479,8 +483,7 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     """Hydra-style `group.field=value` overrides for Megatron-Bridge's run_recipe.py / NeMo 2
     recipes (the mapping of docs/megatron-lm-to-megatron-bridge.md)."""
     check_plan(plan, problem)
-    _refuse_sync_tp("bridge", problem)
-    _refuse_fp8_attention("bridge", problem)
+    _refuse_unsettable("bridge", problem)
     fw, job = problem.job.framework, problem.job
     if job.precision not in (Precision.BF16, Precision.FP16, Precision.FP8, Precision.FP4):
         raise ExportRefused("bridge", f"precision={job.precision.value}", "Megatron-Bridge's recipes are mixed "

@@ -24,6 +24,7 @@ from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl,
 from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
 from .datasets import gpu_generation, launch_settings, launch_settings_by_source, recipe_settings
+from .export import BRIDGE_FP8_PRESETS
 from .problem import framework_spec
 from .files import read_json
 from .search import NothingFits, NoLegalPlan, exhaustive
@@ -148,7 +149,6 @@ def _fp8_param_recipe(row: dict) -> bool:
     (export.BRIDGE_FP8_PRESETS, the table the Bridge export uses: delayed and MXFP8 keep them, current scaling
     and subchannel / block scaling do not). NeMo's own pages: "mx" or "delayed" in the label."""
     if is_bridge_recipe(row):
-        from .export import BRIDGE_FP8_PRESETS
         return BRIDGE_FP8_PRESETS[fp8_recipe_of(row)][1]
     prec = str((row.get("plan") or {}).get("precision") or "").lower()
     return "mx" in prec or "delayed" in prec
@@ -244,9 +244,9 @@ def recipe_vpp(row: dict) -> int | None:
     return int(par["vpp"] or 1)
 
 
-def moe_recipe_options(row: dict) -> dict:
+def bridge_recipe_options(row: dict) -> dict:
     """The framework options the recipe ran a published Megatron-Bridge MoE run with: its dispatcher,
-    batch-level EP overlap, token drop and CUDA graphs."""
+    batch-level EP overlap, token drop, CUDA graphs, TP overlap (where recorded) and fp8 attention."""
     rec = _recipe(row)
     if rec.get("moe_token_dispatcher_type") is None:
         return {}
@@ -343,7 +343,7 @@ def case_from_row(row: dict) -> RowCase:
     recipe = is_nemo_recipe(row)
     bridge = is_bridge_recipe(row)
     fw_kind = Framework.DEEPSPEED if runs_deepspeed_zero(row) else Framework.MEGATRON
-    recipe_options = moe_recipe_options(row)
+    recipe_options = bridge_recipe_options(row)
     framework = FrameworkSpec(
         framework=fw_kind,
         attention_backend=recipe_options.pop("attention_backend",
