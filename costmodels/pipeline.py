@@ -63,8 +63,9 @@ def bubble_s(S: Shapes, t_first, t_mid, t_last, slowest: Selector):
     (m - 1) * t_max + sum_i t_i in chunks of 1/v, i.e. (p-1)/v * t for equal stages [N21 sec. 2.2]
     (also when m < pp: more slots than micro-batches)."""
     t_max = slowest.pick(t_first, t_mid, t_last)
-    t_sum = jnp.where(S.pp > 1, t_first + t_last + jnp.maximum(S.pp - 2.0, 0.0) * t_mid, t_first)
-    return (t_sum - t_max) / S.vpp
+    t_sum = t_first + t_last + jnp.maximum(S.pp - 2.0, 0.0) * t_mid
+    # no pipeline, no bubble: exactly 0 (t_sum - t_max cancels only up to float32 rounding there)
+    return jnp.where(S.pp > 1, jnp.maximum(t_sum - t_max, 0.0) / S.vpp, 0.0)
 
 
 def in_flight_micro_batches(S: Shapes, rank, gpipe=0.0):
