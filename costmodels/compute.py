@@ -16,6 +16,9 @@ Sources
         experts, ETP shards each expert's FFN.
   [TE]  Transformer Engine fp8: inputs of every GEMM are cast (and transposed for wgrad).
   [cuDNN9] NVIDIA, "Accelerating Transformers with NVIDIA cuDNN 9" (2024): SDPA in bf16 and fp8 on H100 / H200.
+  [BWU]  NVIDIA technical blog, "Making Softmax More Efficient with NVIDIA Blackwell Ultra" (2026): MUFU.EX2
+        ~2x on GB300 over GB200, DeepSeek-V3 fp8 attention forward ~1.35x; "Inside NVIDIA Blackwell Ultra"
+        (2025): doubled special-function-unit throughput for attention.
 """
 from __future__ import annotations
 
@@ -119,6 +122,13 @@ ROPE_UNFUSED_EXTRA_LAUNCHES = (22.0 + 12.0) / 2.0
 #: PFLOP/s fp8 against ~0.74 bf16 on H100 (1.6x) [FA3]. The tensor cores double, the softmax's exponentials
 #: do not; no Blackwell figure is published, so the Hopper ratio stands for both
 FP8_ATTENTION_SPEEDUP = 1.5
+#: share of an fp8 fused attention forward spent waiting on the softmax's exponentials (MUFU.EX2 on the
+#: special-function units) on Blackwell: doubling their rate (Blackwell Ultra, GB300) ran DeepSeek-V3's fp8
+#: attention forward 1.35x faster than GB200 [BWU], so t = t_mma + t_exp with t_exp halved:
+#: 1 / (1 - x/2) = 1.35, x = 2 (1 - 1/1.35). A bf16 kernel does the same exponentials in
+#: FP8_ATTENTION_SPEEDUP x the time, so its share is x / FP8_ATTENTION_SPEEDUP; the backward recomputes
+#: the same exponentials (P = exp(S - LSE) [FA]) and saves the same time
+ATTN_EXP_SHARE_FP8 = 2.0 * (1.0 - 1.0 / 1.35)
 #: elements per token Transformer Engine's fp8 attention casts to fp8, relative to the layer's: forward Q, K, V;
 #: backward O and dO (DotProductAttention with fp8_dpa and not fp8_mha), each at lp_cast_bytes; the layer's
 #: backward elementwise work is costed as twice its forward, so the charge sits in the forward as a third
@@ -284,7 +294,9 @@ def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: Efficiency
     the whole s x s score matrix (a sliding window only masks it) with batched GEMMs and memory-bound
     scale/mask/softmax/dropout kernels [K22 sec. 4.1]: backward two GEMMs per forward GEMM and
     UNFUSED_SOFTMAX_BWD_PER_FWD of the forward's bytes (Megatron's PyTorch softmax where its fused kernel
-    does not take the shape: SOFTMAX_FALLBACK_*)."""
+    does not take the shape: SOFTMAX_FALLBACK_*). A fused kernel's exponentials (ATTN_EXP_SHARE_FP8 of an
+    fp8 forward) run at the GPU's exp_throughput_x: Blackwell Ultra's doubled rate saves half of them,
+    forward and backward alike."""
     s, T = J["seq_len"], S.tokens
     heads_local = M["heads"] / S.tp
     flops = 2.0 * T * (s / 2.0) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
@@ -297,9 +309,11 @@ def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: Efficiency
     t_bmm = 2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
     fwd_bytes = e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_FWD
     bwd_bytes = UNFUSED_SOFTMAX_BWD_PER_FWD * e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_BWD
+    exp_share = jnp.where(J["fp8_attention"] > 0, ATTN_EXP_SHARE_FP8, ATTN_EXP_SHARE_FP8 / FP8_ATTENTION_SPEEDUP)
+    t_exp_saved = t_fused * exp_share * (1.0 - 1.0 / H["exp_x"])
     fused = J["flash"] > 0
-    return (jnp.where(fused, t_fused, t_bmm + scores_per_bw * fwd_bytes),
-            jnp.where(fused, e.attn_bwd_ratio * t_fused, 2.0 * t_bmm + scores_per_bw * bwd_bytes))
+    return (jnp.where(fused, t_fused - t_exp_saved, t_bmm + scores_per_bw * fwd_bytes),
+            jnp.where(fused, e.attn_bwd_ratio * t_fused - t_exp_saved, 2.0 * t_bmm + scores_per_bw * bwd_bytes))
 
 
 def dense_mlp_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):

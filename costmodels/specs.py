@@ -286,6 +286,9 @@ class GPUSpec:
     matmul_frac_bf16: float = 0.80
     matmul_frac_fp8: float = 0.80
     matmul_frac_fp4: float = 0.80
+    # Throughput of the special-function units' exponential (MUFU.EX2, softmax's exp) relative to
+    # Blackwell's: 2 on Blackwell Ultra (B300, GB300), 1 otherwise (attention_core_fwd_bwd_s)
+    exp_throughput_x: float = 1.0
     family: str = ""                     # calibration family, e.g. "ampere", "hopper"
     source: str = ""
 
@@ -300,6 +303,8 @@ class GPUSpec:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not 0.1 <= v <= 1.0:
                 raise SpecError(f, f"must be a fraction of the peak in [0.1, 1], got {v!r}")
+        if not isinstance(self.exp_throughput_x, (int, float)) or not 0.25 <= self.exp_throughput_x <= 8.0:
+            raise SpecError("exp_throughput_x", f"must be a ratio to Blackwell's in [0.25, 8], got {self.exp_throughput_x!r}")
 
     def matmul_frac(self, precision: Precision) -> float:
         """MAMF / dense peak for GEMMs in this precision (bf16, fp16 and TF32 take the bf16 measurement)."""
