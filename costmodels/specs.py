@@ -286,8 +286,9 @@ class GPUSpec:
     matmul_frac_bf16: float = 0.80
     matmul_frac_fp8: float = 0.80
     matmul_frac_fp4: float = 0.80
-    # Throughput of the special-function units' exponential (MUFU.EX2, softmax's exp) relative to
-    # Blackwell's: 2 on Blackwell Ultra (B300, GB300), 1 otherwise (attention_core_fwd_bwd_s)
+    # Rate of the special-function units' exponential (MUFU.EX2, the softmax's exp) against the one the
+    # shared fused-attention efficiency stands for: 2 on Blackwell Ultra (B300, GB300), which doubles
+    # Blackwell's at the same tensor-core peaks; 1 elsewhere (attention_core_fwd_bwd_s)
     exp_throughput_x: float = 1.0
     family: str = ""                     # calibration family, e.g. "ampere", "hopper"
     source: str = ""

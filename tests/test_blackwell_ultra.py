@@ -110,3 +110,17 @@ def test_cli_prices_gb300_attention_below_gb200():
                                     precision="bf16", framework={"attention_backend": "fused"})
         steps[gpu] = api.predict_plan(problem, api.plan_from_text("tp=1,pp=1,dp=8,mbs=1", problem))["step_time_s"]
     assert steps["gb300"] < steps["gb200"]
+
+
+def test_gpus_command_lists_the_exponential_rate():
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    result = CliRunner().invoke(app, ["gpus", "--json"])
+    assert result.exit_code == 0
+    rows = {g["name"]: g for g in json.loads(result.stdout)["gpus"]}
+    assert rows["gb300"]["exp_throughput_x"] == 2.0 and rows["gb200"]["exp_throughput_x"] == 1.0
+    table = CliRunner().invoke(app, ["gpus"], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "exp" in table.stdout
