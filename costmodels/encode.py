@@ -81,7 +81,7 @@ def encode_cluster(c: ClusterSpec) -> dict:
         hbm_bytes=c.gpu.hbm_bytes, hbm_bw=c.gpu.hbm_bandwidth_bytes_per_s,
         peak_bf16=c.gpu.peak_flops_bf16,
         matmul_frac_bf16=c.gpu.matmul_frac_bf16,   # MAMF / peak: unfused attention's batched GEMMs
-        exp_x=c.gpu.exp_throughput_x,               # softmax exponentials vs Blackwell's SFU rate
+        exp_x=c.gpu.exp_throughput_x,               # softmax exponential rate (2: Blackwell Ultra)
     )
     return {k: np.float32(v) for k, v in vals.items()}
 

@@ -72,7 +72,7 @@ def _gpu_from_entry(name: str, entry: dict) -> GPUSpec:
     for prec in ("bf16", "fp8", "fp4"):                 # measured max-achievable matmul fractions
         if entry.get(f"mamf_{prec}_frac") is not None:
             si[f"matmul_frac_{prec}"] = float(entry[f"mamf_{prec}_frac"])
-    if entry.get("exp_throughput_x") is not None:      # special-function (exp) units vs Blackwell's
+    if entry.get("exp_throughput_x") is not None:      # softmax exponential rate (2: Blackwell Ultra)
         si["exp_throughput_x"] = float(entry["exp_throughput_x"])
     return GPUSpec(name=name, family=entry["family"], gpus_per_node=entry["gpus_per_node"],
                    source=_one_line(entry["source"]), **si)

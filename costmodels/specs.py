@@ -305,7 +305,7 @@ class GPUSpec:
             if not isinstance(v, (int, float)) or not 0.1 <= v <= 1.0:
                 raise SpecError(f, f"must be a fraction of the peak in [0.1, 1], got {v!r}")
         if not isinstance(self.exp_throughput_x, (int, float)) or not 0.25 <= self.exp_throughput_x <= 8.0:
-            raise SpecError("exp_throughput_x", f"must be a ratio to Blackwell's in [0.25, 8], got {self.exp_throughput_x!r}")
+            raise SpecError("exp_throughput_x", f"must be a rate ratio in [0.25, 8], got {self.exp_throughput_x!r}")
 
     def matmul_frac(self, precision: Precision) -> float:
         """MAMF / dense peak for GEMMs in this precision (bf16, fp16 and TF32 take the bf16 measurement)."""
