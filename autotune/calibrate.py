@@ -22,7 +22,7 @@ from costmodels.plan import PLAN_FIELDS, Plan
 from costmodels.specs import SpecError
 
 from .search import NoLegalPlan, NothingFits, exhaustive
-from .validate import case_from_row, measured_value
+from .validate import case_from_row
 
 #: parameters fitted by default: the time model's efficiencies and overheads (memory constants are
 #: not observable from throughput, so they stay at their documented values). Not gemm_dim_half:
@@ -50,14 +50,10 @@ class FitCase:
 
 
 def measured_step_s(row: dict, case) -> float | None:
-    """The measured step time of a row (from tokens/s per GPU, else the iteration time); None when
-    neither is a finite positive number."""
-    meas = (row.get("measured") or {})
-    tok, _ = measured_value(meas.get("tokens_per_s_per_gpu"))
-    if tok:
-        return case.problem.job.tokens_per_step / (tok * case.problem.cluster.num_gpus)
-    step, _ = measured_value(meas.get("iteration_time_s"))
-    return step
+    """The measured step time of a row, from its measured throughput (validate.measured_throughput: tokens/s
+    per GPU, else the iteration time, refused when the two disagree); None without one."""
+    tok = case.measured_tokens_per_s_per_gpu
+    return case.problem.job.tokens_per_step / (tok * case.problem.cluster.num_gpus) if tok else None
 
 
 def build_cases(rows: list, params: EfficiencyParams, only_usable: bool = True) -> list[FitCase]:

@@ -122,6 +122,7 @@ class RowCase:
     fixed: dict
     filled: list
     measured_tokens_per_s_per_gpu: float | None
+    measured_why: str | None = None      # why there is no measured throughput (validate's skip reason)
 
 
 _NEMO = re.compile(r"\bnemo\b")      # the word: "Nemotron-4 ... Technical Report" is a research run, not a recipe
@@ -413,9 +414,10 @@ def case_from_row(row: dict) -> RowCase:
     if layout:
         fixed["layout"] = layout
         filled.append("layout")
-    measured = (row.get("measured") or {}).get("tokens_per_s_per_gpu")
-    return RowCase(id=row.get("id", "?"), problem=Problem(model, cluster, job), fixed=fixed,
-                   filled=filled, measured_tokens_per_s_per_gpu=measured)
+    problem = Problem(model, cluster, job)
+    measured, why = measured_throughput(row, problem)
+    return RowCase(id=row.get("id", "?"), problem=problem, fixed=fixed, filled=filled,
+                   measured_tokens_per_s_per_gpu=measured, measured_why=why)
 
 
 def measured_value(x) -> tuple[float | None, str | None]:
@@ -428,6 +430,33 @@ def measured_value(x) -> tuple[float | None, str | None]:
     if not math.isfinite(x) or x <= 0:
         return None, f"not a finite positive number ({x!r})"
     return float(x), None
+
+
+#: tokens/s per GPU and the iteration time of one run may disagree by this much (rounding of published
+#: tables; every bundled run agrees within 2 %) before the run is refused as contradicting itself
+MEASURED_AGREEMENT_FRAC = 0.05
+
+
+def measured_throughput(row: dict, problem: Problem) -> tuple[float | None, str | None]:
+    """A run's measured tokens/s per GPU: `measured.tokens_per_s_per_gpu`, else derived from
+    `measured.iteration_time_s` (global batch x sequence / (GPUs x time)); with both given they must agree
+    within MEASURED_AGREEMENT_FRAC. (None, the reason naming the fields) when there is no usable figure. One
+    definition for validate and calibrate."""
+    meas = row.get("measured") if isinstance(row.get("measured"), dict) else {}
+    tok, tok_why = measured_value(meas.get("tokens_per_s_per_gpu"))
+    step, step_why = measured_value(meas.get("iteration_time_s"))
+    # a figure that is given but unusable is an error in the row: say so, never fall back silently
+    for key, value, why in (("tokens_per_s_per_gpu", tok, tok_why), ("iteration_time_s", step, step_why)):
+        if meas.get(key) is not None and value is None:
+            return None, f"measured.{key}: {why}"
+    from_step = problem.job.tokens_per_step / (step * problem.cluster.num_gpus) if step else None
+    if tok and from_step and abs(tok / from_step - 1.0) > MEASURED_AGREEMENT_FRAC:
+        return None, (f"measured.tokens_per_s_per_gpu ({tok:,.4g}) and measured.iteration_time_s ({step:.4g} s, i.e. "
+                      f"{from_step:,.4g} tokens/s per GPU at this batch, sequence and GPU count) disagree by "
+                      f"{abs(tok / from_step - 1.0):.0%}; fix one of them")
+    if tok or from_step:
+        return tok or from_step, None
+    return None, "measured: neither tokens_per_s_per_gpu nor iteration_time_s is given by the source"
 
 
 def rules_broken(problem: Problem, fixed: dict) -> list[dict]:
@@ -462,10 +491,10 @@ def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None
         res["skipped"] = str(exc)
         return res
     res["filled"] = case.filled
-    meas, why = measured_value(case.measured_tokens_per_s_per_gpu)
+    meas = case.measured_tokens_per_s_per_gpu
     res["measured_tokens_per_s_per_gpu"] = meas
     if meas is None:
-        res["skipped"] = f"measured.tokens_per_s_per_gpu: {why}"
+        res["skipped"] = case.measured_why
         return res
     try:
         result = exhaustive(case.problem, params, top_k=1, fixed=case.fixed)

@@ -207,3 +207,57 @@ def test_korthikanti_table5_with_the_shipped_defaults():
     res = validate_runs(dataset="korthikanti22")
     assert res["n_scored"] == 8
     assert res["mape_pct"] < 3.5 and res["max_abs_error_pct"] < 7.0, res["mape_pct"]
+
+
+def _iteration_time(row: dict) -> float:
+    """The step time a row's tokens/s per GPU stands for: global batch x sequence / (GPUs x tokens/s)."""
+    return (row["plan"]["global_batch"] * row["model"]["seq_len"]
+            / (row["hardware"]["num_gpus"] * row["measured"]["tokens_per_s_per_gpu"]))
+
+
+def test_a_run_given_by_its_iteration_time_alone_is_scored_like_its_throughput():
+    """A user's runs file often has Megatron's "elapsed time per iteration" and no tokens/s: validate and
+    calibrate read the same throughput from it (validate.measured_throughput, one definition)."""
+    from autotune.calibrate import build_cases
+    from costmodels.params import EfficiencyParams
+    row = _row("nemo-24.07-LLAMA3-8B-8g-pre")
+    timed = copy.deepcopy(row)
+    timed["measured"] = {"iteration_time_s": _iteration_time(row)}
+    a, b = validate_rows([row]), validate_rows([timed])
+    assert b["n_scored"] == 1 and b["mape_pct"] == pytest.approx(a["mape_pct"], rel=1e-6)
+    assert b["runs"][0]["measured_tokens_per_s_per_gpu"] == pytest.approx(row["measured"]["tokens_per_s_per_gpu"])
+    (case_a,), (case_b,) = build_cases([row], EfficiencyParams()), build_cases([timed], EfficiencyParams())
+    assert case_b.measured_step_s == pytest.approx(case_a.measured_step_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("factor, scored", [(1.03, True), (0.97, True), (1.2, False), (0.5, False)])
+def test_throughput_and_iteration_time_that_contradict_each_other_are_refused(factor, scored):
+    """Both given: they must agree within validate.MEASURED_AGREEMENT_FRAC (5 %), else the run is skipped by
+    validate and left out of calibrate, with the reason naming both fields."""
+    from autotune.calibrate import build_cases
+    from costmodels.params import EfficiencyParams
+    row = _row("nemo-24.07-LLAMA3-8B-8g-pre")
+    row["measured"]["iteration_time_s"] = _iteration_time(row) * factor
+    out = validate_rows([row])
+    assert out["n_scored"] == int(scored)
+    assert len(build_cases([row], EfficiencyParams())) == int(scored)
+    if not scored:
+        why = out["runs"][0]["skipped"]
+        assert "measured.tokens_per_s_per_gpu" in why and "measured.iteration_time_s" in why and "disagree" in why
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, "slow"])
+def test_an_unusable_iteration_time_is_named_not_ignored(bad):
+    row = _row("nemo-24.07-LLAMA3-8B-8g-pre")
+    row["measured"]["iteration_time_s"] = bad
+    out = validate_rows([row])
+    assert out["n_scored"] == 0 and out["runs"][0]["skipped"].startswith("measured.iteration_time_s: not a")
+    json.dumps(out, allow_nan=False)
+
+
+def test_a_run_without_any_measurement_is_skipped_with_the_fields_named():
+    row = _row("nemo-24.07-LLAMA3-8B-8g-pre")
+    row["measured"] = {"mfu": 0.4}
+    out = validate_rows([row])
+    assert out["n_scored"] == 0
+    assert "tokens_per_s_per_gpu" in out["runs"][0]["skipped"] and "iteration_time_s" in out["runs"][0]["skipped"]
