@@ -451,8 +451,8 @@ def measured_throughput(row: dict, problem: Problem) -> tuple[float | None, str 
             return None, f"measured.{key}: {why}"
     from_step = problem.job.tokens_per_step / (step * problem.cluster.num_gpus) if step else None
     if tok and from_step and abs(tok / from_step - 1.0) > MEASURED_AGREEMENT_FRAC:
-        return None, (f"measured.tokens_per_s_per_gpu ({tok:,.4g}) and measured.iteration_time_s ({step:.4g} s, i.e. "
-                      f"{from_step:,.4g} tokens/s per GPU at this batch, sequence and GPU count) disagree by "
+        return None, (f"measured.tokens_per_s_per_gpu ({tok:,.0f}) and measured.iteration_time_s ({step:.4g} s, i.e. "
+                      f"{from_step:,.0f} tokens/s per GPU at this batch, sequence and GPU count) disagree by "
                       f"{abs(tok / from_step - 1.0):.0%}; fix one of them")
     if tok or from_step:
         return tok or from_step, None
