@@ -49,7 +49,7 @@ class FitCase:
     measured_step_s: float
 
 
-def measured_step_s(row: dict, case) -> float | None:
+def measured_step_s(case) -> float | None:
     """The measured step time of a row, from its measured throughput (validate.measured_throughput: tokens/s
     per GPU, else the iteration time, refused when the two disagree); None without one."""
     tok = case.measured_tokens_per_s_per_gpu
@@ -67,7 +67,7 @@ def build_cases(rows: list, params: EfficiencyParams, only_usable: bool = True) 
             case = case_from_row(row)
         except (SpecError, ValueError, KeyError, TypeError):
             continue
-        step = measured_step_s(row, case)
+        step = measured_step_s(case)
         if not step:
             continue
         try:

@@ -11,13 +11,16 @@ Golden facts, from the sources:
 from __future__ import annotations
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from typer.testing import CliRunner
 
 from autotune import api
+from cli.main import app
 from costmodels import compute
 from costmodels.params import EfficiencyParams
 from costmodels.presets import GPU_PRESETS
@@ -113,11 +116,6 @@ def test_cli_prices_gb300_attention_below_gb200():
 
 
 def test_gpus_command_lists_the_exponential_rate():
-    import json
-
-    from typer.testing import CliRunner
-
-    from cli.main import app
     result = CliRunner().invoke(app, ["gpus", "--json"])
     assert result.exit_code == 0
     rows = {g["name"]: g for g in json.loads(result.stdout)["gpus"]}

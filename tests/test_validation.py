@@ -15,9 +15,11 @@ import re
 import pytest
 
 from autotune import api
+from autotune.calibrate import build_cases
 from autotune.datasets import dataset_path
 from autotune.search import exhaustive
 from autotune.validate import case_from_row, load_runs, model_from_row, validate_rows
+from costmodels.params import EfficiencyParams
 from costmodels.specs import SpecError
 
 PUBLIC = dataset_path("public")
@@ -218,8 +220,6 @@ def _iteration_time(row: dict) -> float:
 def test_a_run_given_by_its_iteration_time_alone_is_scored_like_its_throughput():
     """A user's runs file often has Megatron's "elapsed time per iteration" and no tokens/s: validate and
     calibrate read the same throughput from it (validate.measured_throughput, one definition)."""
-    from autotune.calibrate import build_cases
-    from costmodels.params import EfficiencyParams
     row = _row("nemo-24.07-LLAMA3-8B-8g-pre")
     timed = copy.deepcopy(row)
     timed["measured"] = {"iteration_time_s": _iteration_time(row)}
@@ -234,8 +234,6 @@ def test_a_run_given_by_its_iteration_time_alone_is_scored_like_its_throughput()
 def test_throughput_and_iteration_time_that_contradict_each_other_are_refused(factor, scored):
     """Both given: they must agree within validate.MEASURED_AGREEMENT_FRAC (5 %), else the run is skipped by
     validate and left out of calibrate, with the reason naming both fields."""
-    from autotune.calibrate import build_cases
-    from costmodels.params import EfficiencyParams
     row = _row("nemo-24.07-LLAMA3-8B-8g-pre")
     row["measured"]["iteration_time_s"] = _iteration_time(row) * factor
     out = validate_rows([row])
