@@ -189,7 +189,65 @@ def rank_jobs(runs: list[Run], preds: dict, min_plans: int = 3) -> dict:
             "predicted_rank_of_measured_best": int(np.where(order == best_meas)[0][0]) + 1,
         })
     results.sort(key=lambda j: -j["regret_pct"])
-    return {"min_plans": min_plans, "n_jobs": len(results), "summary": ranking_summary(results), "jobs": results}
+    return {"min_plans": min_plans, "n_jobs": len(results), "summary": ranking_summary(results),
+            "by_measured_best": regret_by_measured_best(results), "jobs": results}
+
+
+def regret_by_measured_best(jobs: list[dict], knobs=("tp", "micro_batch")) -> list[dict]:
+    """Where a ranking's regret comes from: the jobs grouped by their measured-fastest plan's knobs, each
+    group with its number of jobs, its share of the summed regret and its top-3 misses, the largest share
+    first. Regret that one group carries points at that group's measurements or at one term of the model,
+    not at the ranking as a whole."""
+    total = float(sum(j["regret_pct"] for j in jobs))
+    groups: dict = {}
+    for j in jobs:
+        groups.setdefault(tuple(j["measured_best"]["plan"].get(k) for k in knobs), []).append(j)
+    out = [{"measured_best": dict(zip(knobs, key)), "n_jobs": len(js),
+            "regret_share": float(sum(j["regret_pct"] for j in js)) / total if total > 0 else 0.0,
+            "top3_misses": sum(not j["measured_best_in_predicted_top3"] for j in js)}
+           for key, js in groups.items()]
+    return sorted(out, key=lambda g: (-g["regret_share"], -g["n_jobs"]))
+
+
+def micro_batch_structure(rows: list[dict]) -> dict:
+    """How a dataset's step times depend on the number of micro-batches m = global batch / (dp x
+    micro-batch). For every plan measured at three or more m (same model, GPUs, sequence, precision and
+    plan): the least-squares line step = fixed + m x per-micro-batch and its largest residual relative to
+    the mean step. For plans that differ only in data parallelism (and so in GPU count): the spread of
+    their per-micro-batch times, (max - min) / mean. Separate runs scatter by their run-to-run noise
+    (0.5-2 % on GPUs); residuals and spreads near 1e-5 say the step times were composed from fewer
+    measurements (one per micro-batch and plan cell, say), so the rows are not independent evidence and a
+    ranking over them weighs each such cell by how many jobs it appears in."""
+    by_plan: dict = {}
+    for r in rows:
+        p, hw, m = r.get("plan") or {}, r.get("hardware") or {}, r.get("model") or {}
+        step = ((r.get("measured") or {}).get("iteration_time_s"))
+        try:
+            n_mb = int(p["global_batch"]) // (int(p["dp"]) * int(p["micro_batch"]))
+            step = float(step)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            continue
+        if not (math.isfinite(step) and step > 0 and n_mb > 0):
+            continue
+        key = (tuple(m.get(k) for k in _JOB_MODEL), hw.get("gpu_key"), hw.get("num_gpus"), m.get("seq_len"),
+               p.get("precision_key"), plan_key(r))
+        by_plan.setdefault(key, []).append((n_mb, step))
+    residuals, slopes = [], {}
+    for key, pts in by_plan.items():
+        pts = sorted(set(pts))
+        if len({n for n, _ in pts}) < 3:
+            continue
+        n, t = np.array(pts, dtype=float).T
+        coef = np.polyfit(n, t, 1)
+        residuals.append(float(np.max(np.abs(t - np.polyval(coef, n))) / t.mean()))
+        dp_free = key[:2] + key[3:5] + tuple(v for k, v in zip(_PLAN, key[5]) if k != "dp")
+        slopes.setdefault(dp_free, []).append(float(coef[0]))
+    spreads = [(max(v) - min(v)) / float(np.mean(v)) for v in slopes.values() if len(v) > 1]
+    return {"plans_fitted": len(residuals),
+            "max_residual": max(residuals) if residuals else None,
+            "median_residual": float(np.median(residuals)) if residuals else None,
+            "dp_groups": len(spreads), "max_dp_spread": max(spreads) if spreads else None,
+            "median_dp_spread": float(np.median(spreads)) if spreads else None}
 
 
 def ranking_summary(jobs: list[dict]) -> dict:

@@ -82,3 +82,55 @@ def test_every_run_is_held_out_once_and_never_trained_on(monkeypatch):
     assert sorted(i for h in held for i in h) == sorted(r.id for r in runs)
     for h, train in zip(held, seen_train):
         assert not h & train and h | train == {r.id for r in runs}
+
+
+def _job(best_plan, regret, in_top3=True):
+    return {"regret_pct": regret, "measured_best_in_predicted_top3": in_top3, "measured_best": {"plan": best_plan}}
+
+
+def test_regret_by_measured_best_groups_and_shares_by_hand():
+    jobs = [_job({"tp": 2, "micro_batch": 4}, 12.0, False), _job({"tp": 2, "micro_batch": 4}, 6.0),
+            _job({"tp": 1, "micro_batch": 2}, 2.0), _job({"tp": 1, "micro_batch": 8}, 0.0)]
+    groups = cv.regret_by_measured_best(jobs)
+    assert [g["measured_best"] for g in groups] == [{"tp": 2, "micro_batch": 4}, {"tp": 1, "micro_batch": 2},
+                                                    {"tp": 1, "micro_batch": 8}]
+    assert [g["n_jobs"] for g in groups] == [2, 1, 1] and [g["top3_misses"] for g in groups] == [1, 0, 0]
+    assert [g["regret_share"] for g in groups] == pytest.approx([0.9, 0.1, 0.0])
+    # no regret at all: every share 0, never a division by zero
+    assert all(g["regret_share"] == 0.0 for g in cv.regret_by_measured_best([_job({"tp": 1}, 0.0)]))
+    # rank_jobs carries the breakdown; its shares add up to 1 when there is regret
+    a, b, c = _run("a", (1, 1), 1.0), _run("b", (2, 1), 1.2), _run("c", (4, 1), 1.5)
+    res = rank_jobs([a[0], b[0], c[0]], _preds([(a, 0.9), (b, 0.8), (c, 0.7)]), min_plans=3)
+    assert sum(g["regret_share"] for g in res["by_measured_best"]) == pytest.approx(1.0)
+
+
+def _timed_row(dp, mbs, gbs, step_s, layers=2):
+    return {"hardware": {"gpu_key": "a100-80gb", "num_gpus": 2 * dp},
+            "model": {"name": "m", "layers": layers, "hidden": 64, "seq_len": 128},
+            "plan": {"tp": 2, "pp": 1, "dp": dp, "micro_batch": mbs, "global_batch": gbs, "precision_key": "fp16"},
+            "measured": {"iteration_time_s": step_s}}
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.01])
+def test_micro_batch_structure_tells_composed_times_from_separate_runs(noise):
+    """Step = fixed + m x per-micro-batch exactly (and the same per-micro-batch time at every dp) is what
+    composed step times look like; a 1 % scatter, what separate runs give."""
+    rows = []
+    for dp in (1, 2):
+        for i, m in enumerate((2, 4, 8, 16)):
+            wobble = noise * (1 if (i + dp) % 2 else -1)
+            rows.append(_timed_row(dp, 2, dp * 2 * m, (0.005 * dp + 0.040 * m) * (1 + wobble)))
+    rows.append(_timed_row(1, 2, 8, float("nan")))           # unusable measurements are skipped
+    rows.append({"plan": {}, "measured": {}})
+    st = cv.micro_batch_structure(rows)
+    assert st["plans_fitted"] == 2 and st["dp_groups"] == 1
+    if noise:
+        assert st["max_residual"] > 1e-3 and st["max_dp_spread"] > 1e-3
+    else:
+        assert st["max_residual"] < 1e-12 and st["max_dp_spread"] < 1e-12
+
+
+def test_micro_batch_structure_needs_three_micro_batch_counts():
+    rows = [_timed_row(1, 2, 2 * m, 0.01 + 0.04 * m) for m in (2, 4)]
+    assert cv.micro_batch_structure(rows) == {"plans_fitted": 0, "max_residual": None, "median_residual": None,
+                                              "dp_groups": 0, "max_dp_spread": None, "median_dp_spread": None}

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from autotune.crossval import load_runs_of, predict_rows, rank_jobs  # noqa: E402
+from autotune.crossval import load_runs_of, micro_batch_structure, predict_rows, rank_jobs  # noqa: E402
 from autotune.measurements import read_calibration  # noqa: E402
 from autotune.scoring import enable_compile_cache  # noqa: E402
 from costmodels.params import LITERATURE_PRIOR, EfficiencyParams  # noqa: E402
@@ -65,11 +65,12 @@ def run_benchmark(accuracy: dict | None = None, calibration: str | None = None) 
             p = _from_accuracy(accuracy, scheme, runs)
             if p:
                 preds[scheme] = p
-    out = {"schema": SCHEMA, "sets": {}, "calibration": calibration,
+    out = {"schema": SCHEMA, "sets": {}, "structure": {}, "calibration": calibration,
            "accuracy_config": (accuracy or {}).get("config")}
     for dataset, min_plans in SETS:
         mine = [r for r in runs if r.dataset == dataset]
         out["sets"][dataset] = {scheme: rank_jobs(mine, p, min_plans=min_plans) for scheme, p in preds.items()}
+        out["structure"][dataset] = micro_batch_structure([r.row for r in mine])
     out["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -109,6 +110,25 @@ def print_tables(doc: dict, worst: int = 5) -> None:
                       f"{pick['predicted_step_s']:.3f} s); best [{_plan_text(best['plan'])}] measured "
                       f"{best['measured_step_s']:.3f} s (predicted {best['predicted_step_s']:.3f} s, rank "
                       f"{j['predicted_rank_of_measured_best']})")
+    for dataset, _ in SETS:
+        for scheme in ("in_sample", "loso"):
+            groups = (doc["sets"][dataset].get(scheme) or {}).get("by_measured_best") or []
+            if not groups or not any(g["regret_share"] > 0 for g in groups):
+                continue
+            print(f"\nWhere the regret of {dataset}, {LABEL[scheme]}, comes from (jobs by their measured-best "
+                  "tp and micro-batch; the largest shares):")
+            for g in groups[:3]:
+                best = " ".join(f"{k}={v}" for k, v in g["measured_best"].items())
+                print(f"  best {best}: {g['n_jobs']} jobs, {100 * g['regret_share']:.1f} % of the summed regret, "
+                      f"{g['top3_misses']} outside the predicted top 3")
+    for dataset, st in doc.get("structure", {}).items():
+        if st.get("plans_fitted"):
+            print(f"\n{dataset} step times against the number of micro-batches m: {st['plans_fitted']} plans "
+                  f"measured at 3 or more m, largest residual from fixed + m x per-micro-batch "
+                  f"{st['max_residual']:.1e} of the step; per-micro-batch time across data-parallel sizes "
+                  f"({st['dp_groups']} groups) spread at most {st['max_dp_spread']:.1e}"
+                  + (" (composed, not separate runs: see micro_batch_structure)"
+                     if st["max_residual"] < 1e-4 and (st["max_dp_spread"] or 0) < 1e-4 else ""))
     print(f"\nelapsed: {doc['elapsed_s']} s")
 
 
