@@ -338,8 +338,13 @@ def case_from_row(row: dict) -> RowCase:
     n = hw.get("num_gpus")
     if not n:
         raise SpecError("hardware.num_gpus", "not given")
+    nic = hw.get("inter_node_gb_per_s")        # a source that states its cluster's NIC (GB/s per GPU per direction)
+    if nic is not None and (isinstance(nic, bool) or not isinstance(nic, (int, float)) or not math.isfinite(nic)
+                            or nic <= 0):
+        raise SpecError("hardware.inter_node_gb_per_s", f"must be a positive number of GB/s per GPU, got {nic!r}")
     cluster = build_cluster(gpu=gpu_key, num_gpus=int(n),
-                            gpus_per_node=int(hw["gpus_per_node"]) if hw.get("gpus_per_node") else None)
+                            gpus_per_node=int(hw["gpus_per_node"]) if hw.get("gpus_per_node") else None,
+                            inter_node_bw_gbps=nic)
     modern = framework_is_modern(row)
     recipe = is_nemo_recipe(row)
     bridge = is_bridge_recipe(row)
@@ -585,7 +590,7 @@ def validate_runs(file: str | None = None, *, dataset: str | None = None, params
     that GPU's runs only (the others are skipped, saying so); one for a GPU no run uses is refused."""
     from .datasets import dataset_path
     if (file is None) == (dataset is None):
-        raise SpecError("FILE", "give a runs file or --dataset public|small-scale|korthikanti22 (one of them)")
+        raise SpecError("FILE", "give a runs file or --dataset public|small-scale|korthikanti22|vtrain-multi (one of them)")
     path = dataset_path(dataset) if dataset is not None else file
     rows = load_runs(path)
     if not rows:

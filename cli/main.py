@@ -440,7 +440,7 @@ def predict(
 @app.command()
 def validate(
     file: Annotated[Optional[str], typer.Argument(metavar="FILE", help="Runs file (schema: shared/validation/README.md).")] = None,
-    dataset: Annotated[Optional[str], typer.Option("--dataset", help="A bundled dataset instead of FILE: public, small-scale or korthikanti22 (K22 Table 5, held out of every fit).")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="A bundled dataset instead of FILE: public, small-scale, korthikanti22 (K22 Table 5) or vtrain-multi (vTrain multi-node); the last two are held out of every fit.")] = None,
     as_json: JsonOpt = False,
     all_rows: Annotated[bool, typer.Option("--all", help="Also predict rows marked usable=false.")] = False,
     calibration: CalibrationOpt = None,

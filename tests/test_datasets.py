@@ -62,3 +62,27 @@ def test_korthikanti_table5_holds_the_paper_times_and_is_held_out():
             assert r["plan"]["tp"] == 8 and r["plan"]["global_batch"] * 2048 / (t * gpus) == \
                 pytest.approx(r["measured"]["tokens_per_s_per_gpu"], rel=1e-4)
     assert "korthikanti22" not in TRAINING_DATASETS
+
+
+def test_vtrain_multi_is_the_released_csv_converted_and_held_out():
+    """The bundled rows are exactly vtrain_multi_rows() of the bundled CSV (vTrain's data/ground_truth_multi.csv
+    as released), hand-checked on its first and last lines, and no fit sees them."""
+    from autotune.datasets import VTRAIN_MULTI_CSV, data_dir, vtrain_multi_rows
+    csv_text = (data_dir() / VTRAIN_MULTI_CSV).read_text(encoding="utf-8")
+    rows = load_dataset("vtrain-multi")
+    assert rows == json.loads(json.dumps(vtrain_multi_rows(csv_text)))
+    assert len(rows) == 109 and len({r["id"] for r in rows}) == 109
+    first, last = rows[0], rows[-1]
+    # CSV line 2: 3.6,64,512,8,3072,32,30,2048,1,64,1,3566.5
+    assert (first["model"]["hidden"], first["model"]["layers"], first["hardware"]["num_gpus"]) == (3072, 30, 64)
+    assert (first["plan"]["tp"], first["plan"]["dp"], first["plan"]["pp"], first["plan"]["micro_batch"],
+            first["plan"]["global_batch"]) == (1, 64, 1, 8, 512)
+    assert first["measured"]["iteration_time_s"] == pytest.approx(3.5665)
+    assert first["measured"]["tokens_per_s_per_gpu"] == pytest.approx(512 * 2048 / (3.5665 * 64))
+    # every row: its GPUs are the product of its parallel sizes, and 800 Gb/s per 8-GPU node is 12.5 GB/s a GPU
+    for r in rows:
+        p = r["plan"]
+        assert p["tp"] * p["pp"] * p["dp"] == r["hardware"]["num_gpus"]
+        assert r["hardware"]["inter_node_gb_per_s"] == 12.5
+    assert last["model"]["name"].startswith("GPT-") and last["source"]["table"].startswith("data/ground_truth_multi.csv")
+    assert "vtrain-multi" not in TRAINING_DATASETS
