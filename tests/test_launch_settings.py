@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autotune import api
-from autotune.datasets import launch_settings, launch_settings_by_source, load_dataset
+from autotune.datasets import DATASETS, launch_settings, launch_settings_by_source, load_dataset
 from autotune.validate import case_from_row, with_launch_settings
 from costmodels.params import EfficiencyParams
 
@@ -52,7 +52,7 @@ def test_the_readme_175b_run_is_the_2021_script_not_the_best_plan():
 
 
 def test_every_source_entry_names_a_bundled_source_and_its_evidence():
-    rows = load_dataset("public") + load_dataset("small-scale")
+    rows = [r for name in DATASETS for r in load_dataset(name)]
     entries = launch_settings_by_source()
     assert entries
     for group, entry in entries.items():
