@@ -62,7 +62,7 @@ def predict_plan(problem: Problem, plan: Plan, *, memory_limit_gb: float | None 
 
 def validate(file: str | None = None, *, dataset: str | None = None, calibration: str | None = None,
              only_usable: bool = True) -> dict:
-    """Predict measured runs (a runs file, or the bundled `public` / `small-scale` dataset) and report
+    """Predict measured runs (a runs file, or a bundled dataset: `autotune.datasets.DATASETS`) and report
     the error per run, MAPE and max error (overall, dense/MoE, by source, by GPU generation), the
     runs predicted not to fit and the published plans outside the legal space (with the rules)."""
     from .validate import validate_runs

@@ -44,7 +44,7 @@ def data_dir() -> Path:
 
 
 def dataset_path(name: str) -> str:
-    """The bundled file of a dataset name (`public`, `small-scale` or `korthikanti22`)."""
+    """The bundled file of a dataset name (a key of DATASETS)."""
     if name not in DATASETS:
         raise SpecError("dataset", f"unknown dataset {name!r}; choose {', '.join(DATASETS)}")
     path = data_dir() / DATASETS[name]

@@ -585,12 +585,13 @@ def load_runs(path: str) -> list:
 
 def validate_runs(file: str | None = None, *, dataset: str | None = None, params: EfficiencyParams | None = None,
                   calibration: str | None = None, only_usable: bool = True) -> dict:
-    """`autotune validate`: the runs of FILE or of a bundled dataset (`public`, `small-scale`),
+    """`autotune validate`: the runs of FILE or of a bundled dataset (`autotune.datasets.DATASETS`),
     predicted with the defaults or a calibration file. A calibration fitted for one GPU is applied to
     that GPU's runs only (the others are skipped, saying so); one for a GPU no run uses is refused."""
     from .datasets import dataset_path
     if (file is None) == (dataset is None):
-        raise SpecError("FILE", "give a runs file or --dataset public|small-scale|korthikanti22|vtrain-multi (one of them)")
+        raise SpecError("FILE", "give a runs file or --dataset public|small-scale|korthikanti22|vtrain-multi "
+                                "(one of them)")
     path = dataset_path(dataset) if dataset is not None else file
     rows = load_runs(path)
     if not rows:

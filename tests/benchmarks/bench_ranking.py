@@ -104,15 +104,16 @@ def print_tables(doc: dict, worst: int = 5) -> None:
             s = res["summary"]
             if not s["n_jobs"]:
                 continue
-            print(f"| {dataset} (>= {min_plans} plans) | {_label(dataset, scheme)} | {s['n_jobs']} | {_pct(s['share_best'])} | "
-                  f"{_pct(s['share_top3'])} | {s['mean_regret_pct']:.1f} % | {s['median_regret_pct']:.1f} % | "
-                  f"{s['worst_regret_pct']:.1f} % |")
+            print(f"| {dataset} (>= {min_plans} plans) | {_label(dataset, scheme)} | {s['n_jobs']} | "
+                  f"{_pct(s['share_best'])} | {_pct(s['share_top3'])} | {s['mean_regret_pct']:.1f} % | "
+                  f"{s['median_regret_pct']:.1f} % | {s['worst_regret_pct']:.1f} % |")
     for dataset, _ in SETS:
         for scheme in ("in_sample", "loso"):
             res = doc["sets"][dataset].get(scheme)
             if not res or not res["jobs"]:
                 continue
-            print(f"\n{worst} worst jobs of {dataset}, {_label(dataset, scheme)} (regret; the predicted pick vs the measured best):")
+            print(f"\n{worst} worst jobs of {dataset}, {_label(dataset, scheme)} "
+                  "(regret; the predicted pick vs the measured best):")
             for j in res["jobs"][:worst]:
                 pick, best = j["predicted_pick"], j["measured_best"]
                 print(f"  {j['regret_pct']:5.1f} %  {j['job']} ({j['n_plans']} plans): picked "
@@ -125,8 +126,8 @@ def print_tables(doc: dict, worst: int = 5) -> None:
             groups = (doc["sets"][dataset].get(scheme) or {}).get("by_measured_best") or []
             if not groups or not any(g["regret_share"] > 0 for g in groups):
                 continue
-            print(f"\nWhere the regret of {dataset}, {_label(dataset, scheme)}, comes from (jobs by their measured-best "
-                  "tp and micro-batch; the largest shares):")
+            print(f"\nWhere the regret of {dataset}, {_label(dataset, scheme)}, comes from (jobs by their "
+                  "measured-best tp and micro-batch; the largest shares):")
             for g in groups[:3]:
                 best = " ".join(f"{k}={v}" for k, v in g["measured_best"].items())
                 print(f"  best {best}: {g['n_jobs']} jobs, {100 * g['regret_share']:.1f} % of the summed regret, "
@@ -150,7 +151,8 @@ def print_comparison(old: dict, new: dict) -> None:
             n = res["summary"]
             if not o or not o.get("n_jobs") or not n["n_jobs"]:
                 continue
-            print(f"  {dataset:<12} {_label(dataset, scheme):<22} best {_pct(o['share_best'])} -> {_pct(n['share_best'])}, "
+            print(f"  {dataset:<12} {_label(dataset, scheme):<22} best {_pct(o['share_best'])} -> "
+                  f"{_pct(n['share_best'])}, "
                   f"top-3 {_pct(o['share_top3'])} -> {_pct(n['share_top3'])}, mean regret "
                   f"{o['mean_regret_pct']:.1f} -> {n['mean_regret_pct']:.1f} %, worst {o['worst_regret_pct']:.1f} -> "
                   f"{n['worst_regret_pct']:.1f} %")
