@@ -214,10 +214,11 @@ def micro_batch_structure(rows: list[dict]) -> dict:
     micro-batch). For every plan measured at three or more m (same model, GPUs, sequence, precision and
     plan): the least-squares line step = fixed + m x per-micro-batch and its largest residual relative to
     the mean step. For plans that differ only in data parallelism (and so in GPU count): the spread of
-    their per-micro-batch times, (max - min) / mean. Separate runs scatter by their run-to-run noise
-    (0.5-2 % on GPUs); residuals and spreads near 1e-5 say the step times were composed from fewer
-    measurements (one per micro-batch and plan cell, say), so the rows are not independent evidence and a
-    ranking over them weighs each such cell by how many jobs it appears in."""
+    their per-micro-batch times, (max - min) / mean. Separate runs scatter by their run-to-run noise (two
+    runs of one 175B plan in vTrain's multi-node set differ by 5e-4); residuals and spreads at floating-point
+    rounding say the step times were composed from fewer measurements (one per micro-batch and plan cell,
+    say), so the rows are not independent evidence and a ranking over them weighs each such cell by how many
+    jobs it appears in."""
     by_plan: dict = {}
     for r in rows:
         p, hw, m = r.get("plan") or {}, r.get("hardware") or {}, r.get("model") or {}

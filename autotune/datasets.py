@@ -12,7 +12,9 @@ CSV by `vtrain_multi_rows`; no fit sees them either.
 """
 from __future__ import annotations
 
+import csv
 import functools
+import io
 import json
 from importlib import resources
 from pathlib import Path
@@ -104,8 +106,6 @@ def vtrain_multi_rows(csv_text: str) -> list[dict]:
     the same in all 108): full recomputation (use_checkpoint), the non-interleaved 1F1B schedule, 8 GPUs
     per node. Assumed, as for the single-node rows: fp16, vocabulary 50257, ffn 4h, kv heads = heads; A100
     80GB (a 175B stage of tp 2 x pp 32 holds 2.7B parameters, ~44 GB of weights and Adam state)."""
-    import csv
-    import io
     rows = []
     for line, rec in enumerate(csv.DictReader(io.StringIO(csv_text.lstrip("\ufeff"))), start=2):
         p_b, gpus, gbs, mbs = float(rec["Parameters (billion)"]), int(rec["# GPUs"]), int(rec["global batch"]), \

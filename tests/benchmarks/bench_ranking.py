@@ -139,7 +139,7 @@ def print_tables(doc: dict, worst: int = 5) -> None:
                   f"{st['max_residual']:.1e} of the step; per-micro-batch time across data-parallel sizes "
                   f"({st['dp_groups']} groups) spread at most {st['max_dp_spread']:.1e}"
                   + (" (composed, not separate runs: see micro_batch_structure)"
-                     if st["max_residual"] < 1e-4 and (st["max_dp_spread"] or 0) < 1e-4 else ""))
+                     if st["max_residual"] < 1e-6 and (st["max_dp_spread"] or 0) < 1e-6 else ""))
     print(f"\nelapsed: {doc['elapsed_s']} s")
 
 
