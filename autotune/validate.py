@@ -17,7 +17,7 @@ import numpy as np
 
 from costmodels.params import EfficiencyParams
 from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, modules_mask
-from costmodels.presets import GPU_PRESETS, MODEL_PRESETS, build_cluster
+from costmodels.presets import BW_RANGE_GBPS, GPU_PRESETS, MODEL_PRESETS, build_cluster
 from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Fp8Recipe, Framework,
                               FrameworkSpec, JobSpec, ModelSpec, Precision, Recompute, SpecError,
                               parse_cuda_graph_modules)
@@ -340,8 +340,9 @@ def case_from_row(row: dict) -> RowCase:
         raise SpecError("hardware.num_gpus", "not given")
     nic = hw.get("inter_node_gb_per_s")        # a source that states its cluster's NIC (GB/s per GPU per direction)
     if nic is not None and (isinstance(nic, bool) or not isinstance(nic, (int, float)) or not math.isfinite(nic)
-                            or nic <= 0):
-        raise SpecError("hardware.inter_node_gb_per_s", f"must be a positive number of GB/s per GPU, got {nic!r}")
+                            or not BW_RANGE_GBPS[0] <= nic <= BW_RANGE_GBPS[1]):
+        raise SpecError("hardware.inter_node_gb_per_s", f"must be a number of GB/s per GPU from {BW_RANGE_GBPS[0]:g} "
+                        f"to {BW_RANGE_GBPS[1]:g}, got {nic!r}")
     cluster = build_cluster(gpu=gpu_key, num_gpus=int(n),
                             gpus_per_node=int(hw["gpus_per_node"]) if hw.get("gpus_per_node") else None,
                             inter_node_bw_gbps=nic)

@@ -223,7 +223,7 @@ def test_vtrain_multi_node_runs_held_out_with_the_shipped_defaults():
     assert res["mape_pct"] < 10.0, res["mape_pct"]
 
 
-@pytest.mark.parametrize("nic", [0, -5, "fast", float("nan"), True])
+@pytest.mark.parametrize("nic", [0, -5, "fast", float("nan"), float("inf"), 1e12, True])
 def test_a_bad_stated_nic_bandwidth_is_named(nic):
     row = json.loads(json.dumps(load_dataset("vtrain-multi")[0]))
     row["hardware"]["inter_node_gb_per_s"] = nic
