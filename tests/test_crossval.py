@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from autotune import crossval as cv
-from autotune.crossval import Run, error_figures, job_key, load_runs_of, rank_jobs
+from autotune.crossval import Run, error_figures, job_key, load_runs_of, predict_rows, rank_jobs
+from costmodels.params import EfficiencyParams
 
 
 def _run(rid, plan, step, gpus=8, dataset="small-scale"):
@@ -57,6 +58,16 @@ def test_a_perfect_predictor_ranks_every_small_scale_job_right():
     assert res["n_jobs"] == 68              # issue 11: 68 jobs with 3 or more measured plans
     assert res["summary"]["share_best"] == 1.0 and res["summary"]["worst_regret_pct"] == 0.0
     assert case_from_row(runs[0].row).problem.cluster.num_gpus == runs[0].row["hardware"]["num_gpus"]
+
+
+def test_held_out_multi_node_jobs_are_ranked_near_their_measured_order():
+    """vTrain's multi-node runs (never fitted; GPT 3.6B-175B, 4 jobs of 15-47 measured plans) ranked by the shipped
+    defaults: the pick ran 1.3 % slower than the measured best on average, 4.5 % at worst, when this guard was
+    set; the benchmark (bench_ranking.py) prints the per-job detail."""
+    runs = load_runs_of(("vtrain-multi",))
+    res = rank_jobs(runs, predict_rows(runs, EfficiencyParams()), min_plans=3)
+    assert res["n_jobs"] == 4 and sorted(j["n_plans"] for j in res["jobs"]) == [15, 20, 26, 47]
+    assert res["summary"]["mean_regret_pct"] < 2.5 and res["summary"]["worst_regret_pct"] < 6.0, res["summary"]
 
 
 def test_error_figures_skip_non_finite():
