@@ -16,6 +16,9 @@ Sources of the option names and their meaning:
   MaxText      src/maxtext/configs/base.yml (ici_* / dcn_* mesh axes, pipeline and batch keys)
   DeepSpeed    docs/_pages/config-json.md (batch, zero_optimization, bf16/fp16, tensor_parallel
                (AutoTP), expert_parallel (AutoEP), activation_checkpointing)
+  Megatron-DeepSpeed  microsoft/Megatron-DeepSpeed@f4157bea megatron/arguments.py (+ deepspeed's
+               add_config_arguments: --deepspeed, --deepspeed_config), megatron/model/gpt_model.py
+               (GPTModelPipe), examples_deepspeed/pretrain_llama2_distributed.sh
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from costmodels.specs import (CrossEntropyImpl, CudaGraphImpl, Fp8Recipe, Framew
                               Recompute, SpecError)
 from search_spaces.space import Problem, check_plan
 
-TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed")
+TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed", "megatron-deepspeed")
 
 
 class ExportRefused(SpecError):
@@ -160,6 +163,7 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     if plan.zero == 2:
         raise ExportRefused(target, "zero=2", "ZeRO-2 exists only in DeepSpeed; Megatron has the distributed "
                             "optimizer (zero=1) and Megatron-FSDP (zero=3)")
+    _refuse_megatron_deepspeed(target, problem)
     a = ["--tensor-model-parallel-size", plan.tp, "--pipeline-model-parallel-size", plan.pp,
          "--context-parallel-size", plan.cp]
     if problem.model.is_moe:
@@ -229,6 +233,14 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     return [str(x) for x in a]
 
 
+def _refuse_megatron_deepspeed(target: str, problem: Problem) -> None:
+    """A plan scored for Megatron-DeepSpeed has its own exporter: Megatron-Core's flags would run another framework."""
+    if problem.job.framework.framework is Framework.DEEPSPEED:
+        raise ExportRefused(target, "framework=deepspeed", "the plan was scored as Megatron-DeepSpeed runs it "
+                            "(DeepSpeed's pipeline engine and ZeRO, its unfused loss); export it --to "
+                            "megatron-deepspeed (with --to deepspeed for its JSON), or score it with --framework megatron")
+
+
 def _refuse_sync_tp(target: str, problem: Problem) -> None:
     """A plan scored as 2021 Megatron-LM ran (a synchronous backward TP all-reduce) has no switch in any
     framework run today."""
@@ -281,8 +293,8 @@ def _flags(argv) -> tuple:
     return tuple(dict.fromkeys(t for t in argv if str(t).startswith("--")))
 
 
-def _megatron(plan: Plan, problem: Problem) -> Exported:
-    argv = megatron_args(plan, problem)
+def _args_text(target: str, argv: list) -> Exported:
+    """A command line as one flag (and its values) per continued shell line."""
     lines, cur = [], []
     for tok in argv:
         if tok.startswith("--") and cur:
@@ -290,7 +302,11 @@ def _megatron(plan: Plan, problem: Problem) -> Exported:
             cur = []
         cur.append(shlex.quote(tok))
     lines.append(" ".join(cur))
-    return Exported("megatron", " \\\n".join(lines) + "\n", _flags(argv), ".args")
+    return Exported(target, " \\\n".join(lines) + "\n", _flags(argv), ".args")
+
+
+def _megatron(plan: Plan, problem: Problem) -> Exported:
+    return _args_text("megatron", megatron_args(plan, problem))
 
 
 # ---- parsing Megatron arguments back into a plan --------------------------------------------------
@@ -494,6 +510,7 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     if plan.zero == 2:
         raise ExportRefused("bridge", "zero=2", "ZeRO-2 exists only in DeepSpeed; Megatron-Bridge has the "
                             "distributed optimizer (zero=1) and Megatron-FSDP (zero=3)")
+    _refuse_megatron_deepspeed("bridge", problem)
     o = [("model.tensor_model_parallel_size", plan.tp), ("model.pipeline_model_parallel_size", plan.pp),
          ("model.context_parallel_size", plan.cp), ("model.sequence_parallel", plan.sp)]
     if problem.model.is_moe:
@@ -782,29 +799,37 @@ def _maxtext(plan: Plan, problem: Problem) -> Exported:
 # DeepSpeed (config JSON)
 # ------------------------------------------------------------------------------------------------
 
+def _refuse_deepspeed_precision(target: str, problem: Problem) -> None:
+    if problem.job.precision in (Precision.FP8, Precision.FP4):
+        raise ExportRefused(target, f"precision={problem.job.precision.value}", "DeepSpeed's config has bf16 and "
+                            "fp16 mixed precision only")
+
+
 def deepspeed_config(plan: Plan, problem: Problem) -> dict:
-    """A DeepSpeed config. Refused: pipeline parallelism (stages are a PipelineModule in the training
-    script, not the JSON; Megatron-DeepSpeed takes --to megatron), context parallelism, sequence
-    parallelism (AutoTP has none), expert-TP, selective or block recompute, fp8 and fp4."""
+    """A DeepSpeed config. For a plan scored with --framework megatron it is plain DeepSpeed's (AutoTP
+    for tp, AutoEP for ep); refused: pipeline parallelism (stages are a PipelineModule in the training
+    script, not the JSON), context parallelism, sequence parallelism (AutoTP has none), expert-TP,
+    selective or block recompute, fp8 and fp4. For a plan scored with --framework deepspeed it is the
+    config Megatron-DeepSpeed reads (--deepspeed_config, `export --to megatron-deepspeed`): tp, pp, sp
+    and recompute are Megatron-DeepSpeed arguments there, so only the batch, ZeRO and precision remain."""
     check_plan(plan, problem)
     t = "deepspeed"
     _refuse_cuda_graphs(t, problem)
-    if plan.pp > 1:
+    mds = problem.job.framework.framework is Framework.DEEPSPEED
+    if plan.pp > 1 and not mds:
         raise ExportRefused(t, f"pp={plan.pp}", "DeepSpeed's config JSON has no pipeline degree (it is "
-                            "PipelineModule(num_stages=...) in the training script); use --to megatron for "
-                            "Megatron-DeepSpeed")
+                            "PipelineModule(num_stages=...) in the training script); for Megatron-DeepSpeed score "
+                            "the plan with --framework deepspeed and export --to megatron-deepspeed too")
     if plan.cp > 1:
         raise ExportRefused(t, f"cp={plan.cp}", "DeepSpeed's config has no context (ring-attention) parallelism")
-    if plan.tp > 1 and plan.sp:
+    if plan.tp > 1 and plan.sp and not mds:
         raise ExportRefused(t, "sp=true", "DeepSpeed AutoTP has no Megatron-style sequence parallelism")
-    if plan.etp != 1:
+    if plan.etp != 1 and not mds:
         raise ExportRefused(t, f"etp={plan.etp}", "DeepSpeed AutoEP accepts only expert_tensor_parallel_size 1")
-    if plan.recompute is Recompute.SELECTIVE or plan.recompute_layers:
+    if (plan.recompute is Recompute.SELECTIVE or plan.recompute_layers) and not mds:
         raise ExportRefused(t, "recompute", "DeepSpeed checkpoints whole layers (the model's checkpoint calls); "
                             "selective or block recompute is not expressed in its config")
-    if problem.job.precision in (Precision.FP8, Precision.FP4):
-        raise ExportRefused(t, f"precision={problem.job.precision.value}", "DeepSpeed's config has bf16 and fp16 "
-                            "mixed precision only")
+    _refuse_deepspeed_precision(t, problem)
     cfg: dict = {"train_batch_size": problem.job.global_batch, "train_micro_batch_size_per_gpu": plan.mbs,
                  "gradient_accumulation_steps": _microbatches(plan, problem),
                  "bf16": {"enabled": problem.job.precision is Precision.BF16},
@@ -813,9 +838,9 @@ def deepspeed_config(plan: Plan, problem: Problem) -> dict:
                                        "contiguous_gradients": True}}
     if problem.job.framework.grad_reduce_in_fp32:     # its default is the model's dtype (engine.py)
         cfg["communication_data_type"] = "fp32"
-    if plan.tp > 1:
+    if plan.tp > 1 and not mds:
         cfg["tensor_parallel"] = {"autotp_size": plan.tp}
-    if problem.model.is_moe and plan.ep > 1:
+    if problem.model.is_moe and plan.ep > 1 and not mds:
         cfg["expert_parallel"] = {"enabled": True, "autoep_size": plan.ep}
     if plan.recompute is Recompute.FULL:
         cfg["activation_checkpointing"] = {"partition_activations": plan.tp > 1, "contiguous_memory_optimization": False}
@@ -836,8 +861,92 @@ def _deepspeed(plan: Plan, problem: Problem) -> Exported:
     return Exported("deepspeed", json.dumps(cfg, indent=2) + "\n", tuple(_json_paths(cfg)), ".json")
 
 
+# ------------------------------------------------------------------------------------------------
+# Megatron-DeepSpeed (pretrain_gpt.py arguments)
+# ------------------------------------------------------------------------------------------------
+
+#: the DeepSpeed config the exported command names: `export --to deepspeed` of the same plan
+MDS_CONFIG_FILE = "ds_config.json"
+
+
+def megatron_deepspeed_args(plan: Plan, problem: Problem) -> list:
+    """microsoft/Megatron-DeepSpeed pretrain_gpt.py flags for a plan scored with --framework deepspeed (the
+    search space already keeps to what it runs: no interleaving, no CP, core-attention-only selective
+    recompute, DeepSpeed's own layer split). Refused: plans scored for another framework, Megatron-Core's
+    MoE / MLA / windowed attention / YaRN (Megatron-DeepSpeed's MoE is DeepSpeed-MoE, a different layer),
+    a pipeline layout, fp8 / fp4, cuDNN fused attention and TE's TP overlap, which it has no flag for."""
+    t = "megatron-deepspeed"
+    check_plan(plan, problem)
+    _refuse_cuda_graphs(t, problem)
+    fw, m, job = problem.job.framework, problem.model, problem.job
+    if fw.framework is not Framework.DEEPSPEED:
+        raise ExportRefused(t, f"framework={fw.framework.value}", "the plan was scored for another framework; score "
+                            "it with --framework deepspeed (Megatron-DeepSpeed's pipeline engine, ZeRO and loss)")
+    if m.is_moe:
+        raise ExportRefused(t, "model (MoE)", "Megatron-DeepSpeed's MoE is DeepSpeed-MoE (capacity-factor gating, "
+                            "--num-experts / --moe-expert-parallel-size), not the Megatron-Core MoE layer the plan was "
+                            "scored with")
+    for bad, why in ((m.is_mla, "multi-latent attention"), (m.sliding_window, "sliding-window attention"),
+                     (m.position_embedding == "yarn", "YaRN-scaled RoPE")):
+        if bad:
+            raise ExportRefused(t, "model", f"Megatron-DeepSpeed has no {why}")
+    if plan.layout:
+        raise ExportRefused(t, f"layout={plan.layout}", "Megatron-DeepSpeed has no layout flag: DeepSpeed's "
+                            "PipelineModule balances the transformer layers over the stages itself "
+                            "(partition_method='type:transformer')")
+    _refuse_deepspeed_precision(t, problem)
+    if fw.tp_comm_overlap:
+        raise ExportRefused(t, "tp_comm_overlap=true", "Transformer Engine's userbuffers TP overlap is a "
+                            "Megatron-Core option; score the plan without --tp-comm-overlap")
+    if fw.gradient_accumulation_fusion:
+        raise ExportRefused(t, "gradient_accumulation_fusion=true", "Megatron-DeepSpeed's linear layers never "
+                            "fuse the gradient accumulation into the weight-gradient GEMM (its fused path is commented "
+                            "out); score the plan with --no-gradient-accumulation-fusion, the deepspeed default")
+    backend = {"flash": ["--use-flash-attn-v2"], "unfused": []}.get(fw.attention_backend.value)
+    if backend is None:
+        raise ExportRefused(t, f"attention_backend={fw.attention_backend.value}", "Megatron-DeepSpeed runs "
+                            "FlashAttention (--use-flash-attn-v2) or its own unfused attention, not cuDNN's fused "
+                            "kernel")
+    a = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--ffn-hidden-size", m.ffn_hidden_size,
+         "--num-attention-heads", m.num_attention_heads]
+    if m.head_dim and m.head_dim != m.hidden_size // m.num_attention_heads:
+        a += ["--kv-channels", m.head_dim]
+    if m.num_kv_heads != m.num_attention_heads:
+        a += ["--num-key-value-heads", m.num_kv_heads]
+    a += ["--seq-length", job.seq_len, "--max-position-embeddings", max(job.seq_len, m.max_seq_len)]
+    if m.gated_mlp:        # Llama-style, as its examples_deepspeed/pretrain_llama2_distributed.sh sets it
+        a += ["--swiglu", "--normalization", "rmsnorm", "--use-rotary-position-embeddings", "--disable-bias-linear"]
+    if not m.tied_embeddings:
+        a += ["--untie-embeddings-and-output-weights"]
+    a += ["--vocab-size", m.vocab_size, "--tokenizer-type", "NullTokenizer"]
+    a += ["--tensor-model-parallel-size", plan.tp, "--pipeline-model-parallel-size", plan.pp]
+    if plan.pp == 1:
+        # without it Megatron-DeepSpeed still builds DeepSpeed's PipelineModule (arguments.py
+        # ds_pipeline_enabled), which refuses ZeRO-2/3
+        a += ["--no-pipeline-parallel"]
+    if plan.sp:
+        a += ["--sequence-parallel"]
+    if plan.recompute is Recompute.SELECTIVE:      # the core attention (the search allows nothing else here)
+        a += ["--recompute-granularity", "selective"]
+    elif plan.recompute is Recompute.FULL:
+        a += ["--deepspeed-activation-checkpointing", "--recompute-granularity", "full"] + (
+            ["--recompute-method", "block", "--recompute-num-layers", plan.recompute_layers] if plan.recompute_layers
+            else ["--recompute-method", "uniform", "--recompute-num-layers", 1])
+    a += ["--micro-batch-size", plan.mbs, "--global-batch-size", job.global_batch]
+    a += {Precision.BF16: ["--bf16"], Precision.FP16: ["--fp16"], Precision.FP32: []}[job.precision]
+    a += backend
+    a += ["--deepspeed", "--deepspeed_config", MDS_CONFIG_FILE, "--zero-stage", plan.zero]
+    return [str(x) for x in a]
+
+
+def _megatron_deepspeed(plan: Plan, problem: Problem) -> Exported:
+    argv = megatron_deepspeed_args(plan, problem)
+    deepspeed_config(plan, problem)        # its JSON must exist too: refuse here what that export refuses
+    return _args_text("megatron-deepspeed", argv)
+
+
 _EXPORTERS = {"megatron": _megatron, "bridge": _bridge, "torchtitan": _torchtitan, "maxtext": _maxtext,
-              "deepspeed": _deepspeed}
+              "deepspeed": _deepspeed, "megatron-deepspeed": _megatron_deepspeed}
 
 
 def parse_target(text: str) -> str:

@@ -208,16 +208,18 @@ def framework_is_modern(row: dict) -> bool:
     return not (years and max(years) < 2022)
 
 
-def _split_layout(model: ModelSpec, fixed: dict) -> str | None:
+def _split_layout(model: ModelSpec, fixed: dict, framework: Framework = Framework.MEGATRON) -> str | None:
     """The pipeline split a published pp (and vpp) ran with when Megatron-Core's even split cannot
     express it (with or without counting the embedding and loss as layers): the balanced layout
-    Megatron-Bridge builds (`balanced_layout`, e.g. DeepSeek-V3's 61 layers on pp=16)."""
+    Megatron-Bridge builds (`balanced_layout`, e.g. DeepSeek-V3's 61 layers on pp=16). DeepSpeed's
+    PipelineModule has no account-for flags: it balances the transformer layers over the stages itself
+    (at most ceil(L / pp) per stage, as the balanced layout)."""
     pp = fixed.get("pp", 1)
     if pp < 2:
         return None
     vpps = [fixed["vpp"]] if "vpp" in fixed else [1]
     for vpp in vpps:
-        for extra in (0, 1, 2):
+        for extra in ((0,) if framework is Framework.DEEPSPEED else (0, 1, 2)):
             units = model.num_layers + extra
             if units % pp == 0 and (units // pp) % vpp == 0 and units // pp >= vpp:
                 return None
@@ -416,7 +418,7 @@ def case_from_row(row: dict) -> RowCase:
         fixed["etp"] = 1
     else:
         filled.append("etp")
-    layout = _split_layout(model, fixed)
+    layout = _split_layout(model, fixed, fw_kind)
     if layout:
         fixed["layout"] = layout
         filled.append("layout")

@@ -31,7 +31,7 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 # Spelled here so that building the CLI (`autotune --help`, any bad-input error) imports neither
 # numpy nor JAX; tests/test_fuzz_cli.py checks they equal autotune.export.TARGETS,
 # autotune.launch.LAUNCHERS and autotune.check.DEFAULT_MAX_MEMORY_FRAC.
-TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed")
+TARGETS = ("megatron", "bridge", "torchtitan", "maxtext", "deepspeed", "megatron-deepspeed")
 LAUNCHERS = ("torchrun", "slurm")
 DEFAULT_MAX_MEMORY_FRAC = 0.95
 

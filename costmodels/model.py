@@ -144,9 +144,14 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     # TP / CP / EP collectives, are wall time the bucketed gradient / parameter traffic can run under too
     idle = t_max - slowest.pick(_gpu(first), _gpu(mid), _gpu(last))
     waits = slowest.pick(*(x["tp"] + x["cp"] + x["ep"] for x in (first, mid, last)))
+    # DeepSpeed's pipeline engine reduces gradients (and ZeRO-1 gathers parameters) only after the schedule's
+    # last backward (runtime/pipe/schedule.py TrainSchedule: ReduceTiedGrads, ReduceGrads, OptimizerStep
+    # after the final micro-batch): none of that traffic hides under the passes
+    dp_hides = 1.0 - J["deepspeed"] * (S.pp > 1.0)
     dp_comm = comm.data_parallel_s(S, groups, p_dense, p_expert, biggest.pick(st.first, st.mid, st.last), lt,
                                    layers_s, H, J["grad_bytes"], e, idle_s=idle + waits,
-                                   grad_overlap=J["dp_grad_overlap"], param_overlap=J["dp_param_overlap"],
+                                   grad_overlap=J["dp_grad_overlap"] * dp_hides,
+                                   param_overlap=J["dp_param_overlap"] * dp_hides,
                                    deepspeed_zero3=J["deepspeed"], param_bytes=J["primary_weight_bytes"])
     # the optimizer step is memory bound: bytes moved per local parameter (sharded with ZeRO >= 1)
     p_opt = memory.sharded(memory.StageParams(p_dense, p_expert), groups, S.zero >= 1)

@@ -398,8 +398,10 @@ class Framework(enum.Enum):
         """Megatron's wgrad GEMMs accumulate into the fp32 main gradients (--gradient-accumulation-fusion,
         on by default); a JAX trainer's gradient accumulation (a scan over micro-batches: this project's
         runner, MaxText's gradient_accumulation_steps) adds each micro-batch's gradients to the accumulator
-        after its backward pass, in a kernel of its own."""
-        return self is not Framework.JAX
+        after its backward pass, in a kernel of its own; so does Megatron-DeepSpeed, whose linear layers hand
+        the weight gradient to autograd (microsoft/Megatron-DeepSpeed@f4157bea core/tensor_parallel/layers.py:
+        the fused wgrad_gemm_accum path is commented out) and whose DeepSpeed optimizer then accumulates it."""
+        return self is Framework.MEGATRON
 
 
 class AttentionBackend(enum.Enum):

@@ -200,6 +200,10 @@ def _graphed(p: Problem, module: CudaGraphModule) -> bool:
     return whole or module in fw.cuda_graph_modules
 
 
+def _deepspeed(p: Problem) -> bool:
+    return p.job.framework.framework is Framework.DEEPSPEED
+
+
 def _recomputes(a, name: str):
     return (a["recompute"] == _SELECTIVE) & ((a["recompute_modules"] & module_bit(name)) != 0)
 
@@ -268,6 +272,28 @@ RULES: tuple[Rule, ...] = (
                       f"split evenly, at least vpp={_v(a,'vpp')} per stage and a multiple of it (and nothing may "
                       f"be left over when no middle stage exists)",
          only_if_set=('first_layers', 'last_layers')),
+    # Megatron-DeepSpeed (microsoft/Megatron-DeepSpeed@f4157bea): with --deepspeed a pipeline is DeepSpeed's
+    # PipelineEngine (megatron/training.py train_step: model[0].train_batch), whose TrainSchedule is plain 1F1B
+    Rule("deepspeed_no_interleave", lambda a, p: (not _deepspeed(p)) | (a["vpp"] == 1),
+         lambda a, p: f"vpp={_v(a,'vpp')} with --framework deepspeed: Megatron-DeepSpeed runs pipelines on DeepSpeed's "
+                      "PipelineEngine, whose 1F1B schedule has no interleaving; use vpp=1"),
+    # its arguments.py has no --context-parallel-size (its long-sequence scheme is DeepSpeed-Ulysses,
+    # --ds-sequence-parallel-size, an all-to-all over heads that this cost model does not price)
+    Rule("deepspeed_no_cp", lambda a, p: (not _deepspeed(p)) | (a["cp"] == 1),
+         lambda a, p: f"cp={_v(a,'cp')} with --framework deepspeed: Megatron-DeepSpeed has no context parallelism "
+                      "(no --context-parallel-size; DeepSpeed-Ulysses is not modeled); use cp=1"),
+    # GPTModelPipe builds PipelineModule(partition_method='type:transformer'): DeepSpeed places the layers
+    # itself, with the embedding on the first stage and the loss on the last; Megatron-Core's
+    # --account-for-*-in-pipeline-split and --decoder-first/last-pipeline-num-layers do not exist there
+    # (a layout is never searched: `validate` gives one where L / pp is not whole, the split DeepSpeed balances)
+    Rule("deepspeed_split", lambda a, p: (not _deepspeed(p)) | (a["layout"] > 0) | ((a["account_for_embedding"] == 0)
+                                                               & (a["account_for_loss"] == 0)
+                                                               & (a["first_layers"] == 0) & (a["last_layers"] == 0)),
+         lambda a, p: f"account_for_embedding={_v(a,'account_for_embedding')}/account_for_loss="
+                      f"{_v(a,'account_for_loss')}/first_layers={_v(a,'first_layers')}/"
+                      f"last_layers={_v(a,'last_layers')} "
+                      "with --framework deepspeed: DeepSpeed's PipelineModule splits the transformer layers itself "
+                      "(partition_method='type:transformer'); use the even split"),
     # first of the inner rules: enumeration drops the pairs that break it before expanding
     Rule("recompute_modules_selective", lambda a, p: (a["recompute"] == _SELECTIVE) == (a["recompute_modules"] != 0),
          lambda a, p: ("recompute=selective needs recompute_modules (Megatron-Core's default: core_attn; "
@@ -289,6 +315,17 @@ RULES: tuple[Rule, ...] = (
          lambda a, p: f"recompute_modules {'+'.join(modules_of_mask(_v(a, 'recompute_modules')))} include modules "
                       f"{p.model.name} does not have (it has "
                       f"{'+'.join(modules_of_mask(applicable_modules_mask(p.model)))})"),
+    # Megatron-DeepSpeed's --recompute-granularity selective recomputes the core attention only (no
+    # --recompute-modules); GPTModelPipe: "deepspeed's pipeline doesn't support the block recompute method"
+    Rule("deepspeed_recompute", lambda a, p: (not _deepspeed(p))
+         | (((a["recompute"] != _SELECTIVE) | (a["recompute_modules"] == modules_mask(("core_attn",))))
+            & ((a["recompute_layers"] == 0) | (a["pp"] == 1))),
+         lambda a, p: (f"recompute_modules={'+'.join(modules_of_mask(_v(a, 'recompute_modules')))} "
+                       f"({len(modules_of_mask(_v(a, 'recompute_modules')))} modules) with --framework deepspeed: "
+                       "Megatron-DeepSpeed's selective recompute is the core attention only (1 module: core_attn)"
+                       if _v(a, "recompute") == _SELECTIVE else
+                       f"recompute_layers={_v(a,'recompute_layers')} with pp={_v(a,'pp')} and --framework deepspeed: "
+                       "DeepSpeed's pipeline has no block recompute (GPTModelPipe); use recompute_layers=0")),
     Rule("sp_needs_tp", lambda a, p: (a["sp"] == 0) | (a["tp"] > 1),
          lambda a, p: "sp=true needs tp > 1"),
     Rule("moe_tp_needs_sp", lambda a, p: (not p.model.is_moe) | (a["tp"] == 1) | (a["sp"] == 1),
@@ -352,7 +389,7 @@ RULES: tuple[Rule, ...] = (
 #: enumeration can apply them to the small outer grid before expanding the inner knobs
 MESH_RULES = ("gpus", "tp_heads", "cp_seq", "ep_experts", "ep_fold", "etp_ffn", "vpp_needs_pp", "pp_split",
               "account_needs_pp", "account_not_uneven", "stage_layers_need_pp", "stage_layers_vpp",
-              "stage_layers_rest")
+              "stage_layers_rest", "deepspeed_no_interleave", "deepspeed_no_cp", "deepspeed_split")
 assert tuple(r.name for r in RULES[:len(MESH_RULES)]) == MESH_RULES
 
 

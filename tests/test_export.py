@@ -22,7 +22,8 @@ NAMES_DIR = os.path.join(os.path.dirname(__file__), "data", "export_names")
 
 
 def _names(target: str) -> set:
-    fname = {"megatron": "megatron_lm.txt", "bridge": "megatron_bridge.txt"}.get(target, f"{target}.txt")
+    fname = {"megatron": "megatron_lm.txt", "bridge": "megatron_bridge.txt",
+             "megatron-deepspeed": "megatron_deepspeed.txt"}.get(target, f"{target}.txt")
     with open(os.path.join(NAMES_DIR, fname)) as fh:
         return {ln.strip() for ln in fh if ln.strip() and not ln.startswith("#")}
 
@@ -36,20 +37,24 @@ PROBLEMS = {
 }
 
 
+def spread_plans(problem, n_plans: int) -> list:
+    """About n_plans legal plans of a problem, evenly spread over its whole enumeration."""
+    batches = list(enumerate_legal(problem)[0])
+    total = sum(len(b) for b in batches)
+    plans = []
+    for batch in batches:
+        k = max(1, round(len(batch) * n_plans / total))
+        plans += [batch.plan(int(i)) for i in np.unique(np.linspace(0, len(batch) - 1, k).astype(int))]
+    return plans
+
+
 @pytest.fixture(scope="module")
 def spaces():
-    """About 3,000 legal plans of each problem, evenly spread over its whole enumeration."""
+    """About 3,000 legal plans of each problem."""
     out = {}
     for key, kw in PROBLEMS.items():
         problem = api.build_problem(**kw)
-        stream, _ = enumerate_legal(problem)
-        batches = list(stream)
-        total = sum(len(b) for b in batches)
-        plans = []
-        for batch in batches:
-            k = max(1, round(len(batch) * 3000 / total))
-            plans += [batch.plan(int(i)) for i in np.unique(np.linspace(0, len(batch) - 1, k).astype(int))]
-        out[key] = (problem, plans)
+        out[key] = (problem, spread_plans(problem, 3000))
     return out
 
 
@@ -133,21 +138,27 @@ def test_megatron_precision_and_framework_flags():
         model="llama3-8b", gpu="h100", gpus=8, global_batch=64, seq_len=4096))
 
 
-@pytest.mark.parametrize("target,text,field", [
-    ("megatron", "zero=2", "zero=2"),
-    ("bridge", "zero=2", "zero=2"),
-    ("torchtitan", "zero=1", "zero=1"),
-    ("torchtitan", "tp=2,sp=false", "sp=false"),
-    ("torchtitan", "recompute=selective", "recompute=selective"),
-    ("maxtext", "pp=2,first_layers=12", "pipeline split"),
-    ("maxtext", "tp=2,pp=8,mbs=64", "mbs"),
-    ("deepspeed", "pp=2", "pp=2"),
-    ("deepspeed", "cp=2", "cp=2"),
-    ("deepspeed", "recompute=selective", "recompute"),
+@pytest.mark.parametrize("target,text,field,framework", [
+    ("megatron", "zero=2", "zero=2", "deepspeed"),
+    ("bridge", "zero=2", "zero=2", "deepspeed"),
+    ("megatron", "tp=2,pp=2", "framework=deepspeed", "deepspeed"),
+    ("bridge", "tp=2", "framework=deepspeed", "deepspeed"),
+    ("torchtitan", "zero=1", "zero=1", "deepspeed"),
+    ("torchtitan", "tp=2,sp=false", "sp=false", "deepspeed"),
+    ("torchtitan", "recompute=selective", "recompute=selective", "deepspeed"),
+    ("maxtext", "pp=2,first_layers=12", "pipeline split", "megatron"),
+    ("maxtext", "tp=2,pp=8,mbs=64", "mbs", "deepspeed"),
+    # plain DeepSpeed (a plan scored for Megatron-Core, exported as DeepSpeed's own JSON)
+    ("deepspeed", "pp=2", "pp=2", "megatron"),
+    ("deepspeed", "cp=2", "cp=2", "megatron"),
+    ("deepspeed", "recompute=selective", "recompute", "megatron"),
+    # Megatron-DeepSpeed
+    ("megatron-deepspeed", "tp=2,pp=2", "framework=megatron", "megatron"),
+    ("megatron-deepspeed", "pp=3,layout=Et*11|t*11|t*10L", "layout=Et*11|t*11|t*10L", "deepspeed"),
 ])
-def test_refusals_name_the_field(target, text, field):
-    problem = api.build_problem(model="llama3-8b", gpu="h100", gpus=16, global_batch=64, seq_len=4096,
-                                framework={"framework": "deepspeed"})
+def test_refusals_name_the_field(target, text, field, framework):
+    problem = api.build_problem(model="llama3-8b", gpu="h100", gpus=48 if "pp=3" in text else 16, global_batch=64,
+                                seq_len=4096, framework={"framework": framework})
     plan = api.plan_from_text(text, problem)
     with pytest.raises(ExportRefused) as exc:
         export(target, plan, problem)

@@ -20,8 +20,8 @@ from autotune.api import build_problem
 from autotune.datasets import dataset_path
 from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, modules_of_mask
 from costmodels.presets import build_cluster
-from costmodels.specs import (CudaGraphImpl, CudaGraphModule, FrameworkSpec, JobSpec, ModelSpec, Precision, Recompute,
-                              SpecError)
+from costmodels.specs import (CudaGraphImpl, CudaGraphModule, Framework, FrameworkSpec, JobSpec, ModelSpec, Precision,
+                              Recompute, SpecError)
 from search_spaces.space import (RULES, Problem, check_plan, check_rows, count_legal, domains,
                                  enumerate_legal)
 
@@ -45,6 +45,7 @@ def _problem(model=DENSE, job=JOB, cluster=CLUSTER16) -> Problem:
 
 
 # (rule, why, problem, plan that breaks the rule, the same plan fixed[, rules it must also break])
+_DS = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(framework=Framework.DEEPSPEED))
 _EP_OVERLAP = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(overlap_moe_expert_parallel_comm=True))
 
 _CASES = [
@@ -144,6 +145,19 @@ _CASES = [
     ("ep_overlap_recompute", "batch-level EP overlap with the moe module recomputed", _problem(MOE, job=_EP_OVERLAP),
      Plan(dp=16, ep=8, recompute=Recompute.SELECTIVE, recompute_modules=("moe",)),
      Plan(dp=16, ep=8, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
+    # Megatron-DeepSpeed (--framework deepspeed): DeepSpeed's pipeline engine and Megatron-DeepSpeed's arguments
+    ("deepspeed_no_interleave", "interleaving on DeepSpeed's pipeline engine", _problem(job=_DS),
+     Plan(pp=2, dp=8, vpp=2), Plan(pp=2, dp=8, vpp=1)),
+    ("deepspeed_no_cp", "context parallelism in Megatron-DeepSpeed", _problem(job=_DS),
+     Plan(cp=2, dp=8), Plan(tp=2, dp=8)),
+    ("deepspeed_split", "Megatron-Core's account-for flags on DeepSpeed's PipelineModule", _problem(job=_DS),
+     Plan(pp=2, dp=8, account_for_embedding=True, account_for_loss=True), Plan(pp=2, dp=8)),
+    ("deepspeed_recompute", "selective recompute of more than the core attention in Megatron-DeepSpeed",
+     _problem(job=_DS), Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn", "layernorm")),
+     Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
+    ("deepspeed_recompute", "block recompute on DeepSpeed's pipeline engine", _problem(job=_DS),
+     Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=2), Plan(dp=16, recompute=Recompute.FULL,
+                                                                           recompute_layers=2)),
     ("recompute_layers_chunk", "block recompute of a whole chunk", _problem(),
      Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=4),
      Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=3)),

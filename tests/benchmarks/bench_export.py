@@ -17,7 +17,10 @@ from autotune.export import TARGETS, ExportRefused, export, megatron_args, parse
 from search_spaces.space import enumerate_legal
 
 CASES = (dict(model="llama3-70b", gpu="h100", gpus=512, global_batch=1024, seq_len=8192),
-         dict(model="mixtral-8x7b", gpu="h100", gpus=256, global_batch=1024, seq_len=4096))
+         dict(model="mixtral-8x7b", gpu="h100", gpus=256, global_batch=1024, seq_len=4096),
+         # a job scored as Megatron-DeepSpeed runs it: its own space (no interleaving or CP) and exporter
+         dict(model="llama3-70b", gpu="a100-80gb", gpus=512, global_batch=1024, seq_len=4096,
+              framework={"framework": "deepspeed"}))
 
 
 def spread(problem, n_plans: int) -> tuple:
@@ -34,6 +37,7 @@ def spread(problem, n_plans: int) -> tuple:
 
 def bench(case: dict, n_plans: int) -> dict:
     problem = api.build_problem(**case)
+    mds = "framework" in case          # Megatron-LM's flags refuse such a job: no Megatron round trip
     total, plans = spread(problem, n_plans)
     ok, refusals = collections.Counter(), collections.Counter()
     round_trip = tried = 0
@@ -45,13 +49,14 @@ def bench(case: dict, n_plans: int) -> dict:
                 ok[target] += 1
             except ExportRefused as exc:
                 refusals[f"{target}: {str(exc).split(': ')[1]}"] += 1
-        if p.zero != 2:
+        if p.zero != 2 and not mds:
             tried += 1
             back = parse_megatron_args(megatron_args(p, problem), problem.cluster.num_gpus,
                                        problem.model.num_layers, problem.model.is_moe)
             round_trip += back == p
     dt = time.perf_counter() - t0
-    return {"case": f"{case['model']} / {case['gpus']} {case['gpu']}", "legal": total, "sampled": len(plans),
+    fw = f" (--framework {case['framework']['framework']})" if mds else ""
+    return {"case": f"{case['model']} / {case['gpus']} {case['gpu']}{fw}", "legal": total, "sampled": len(plans),
             "expressible": {t: ok[t] / len(plans) for t in TARGETS}, "round_trip": [round_trip, tried],
             "ms_per_export": dt / len(plans) / len(TARGETS) * 1e3,
             "top_refusals": {k: v / len(plans) for k, v in refusals.most_common(6)}}
