@@ -407,6 +407,10 @@ def case_from_row(row: dict) -> RowCase:
         filled.append("recompute")
     if plan.get("sequence_parallel") is not None:
         fixed["sp"] = int(bool(plan["sequence_parallel"]) and fixed.get("tp", 1) > 1)
+    elif not modern:
+        # Megatron-LM's --sequence-parallel came in 2022 (v3.0, Korthikanti et al.); Megatron-DeepSpeed leaves it
+        # off by default (a store_true flag): such a run had none, and "fastest legal" would guess it on
+        fixed["sp"] = 0
     else:
         filled.append("sp")
     zero = zero_stage(row)

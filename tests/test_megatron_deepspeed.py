@@ -134,6 +134,26 @@ def test_validate_scores_a_megatron_deepspeed_row_as_it_ran():
     assert plan["vpp"] == 1 and not plan["account_for_embedding"] and not plan["account_for_loss"] and plan["layout"]
 
 
+@pytest.mark.parametrize("title,sp_filled", [
+    ("Smith et al. 2022, Megatron-DeepSpeed", False),       # Megatron-DeepSpeed: --sequence-parallel off by default
+    ("a 2021 Megatron-LM run", False),                      # before Megatron-LM v3.0 (2022) had it
+    ("a 2024 Megatron-Core run", True),                     # unknown: the fastest legal value, and said so
+])
+def test_sequence_parallelism_is_filled_only_where_the_framework_had_it(title, sp_filled):
+    row = {"id": "sp-row", "source": {"title": title, "group": "t"}, "usable": True,
+           "model": {"name": "t", "layers": 24, "hidden": 4096, "ffn_hidden": 16384, "heads": 32, "kv_heads": 32,
+                     "vocab": 51200, "seq_len": 2048},
+           "hardware": {"gpu_key": "a100-80gb", "num_gpus": 64, "gpus_per_node": 8},
+           "plan": {"tp": 4, "pp": 2, "micro_batch": 1, "global_batch": 512, "precision_key": "bf16",
+                    "recompute_key": "full", "zero_key": 0},
+           "measured": {"tokens_per_s_per_gpu": 1000.0}}
+    res = validate_rows([row])["runs"][0]
+    assert res["skipped"] is None, res["skipped"]
+    assert ("sp" in res["filled"]) == sp_filled
+    if not sp_filled:
+        assert res["plan"]["sp"] is False
+
+
 def test_cli_search_and_export_for_megatron_deepspeed(tmp_path):
     common = ["--model", "llama3-8b", "--gpu", "h100", "--gpus", "64", "--global-batch", "256", "--seq-len", "4096",
               "--framework", "deepspeed"]
