@@ -9,6 +9,7 @@ that framework would have picked, and says which knobs it filled.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -503,6 +504,7 @@ def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None
         res["skipped"] = str(exc)
         return res
     res["filled"] = case.filled
+    res["case_id"] = case_id(case)
     meas = case.measured_tokens_per_s_per_gpu
     res["measured_tokens_per_s_per_gpu"] = meas
     if meas is None:
@@ -548,6 +550,41 @@ def validate_rows(rows: list, params: EfficiencyParams | None = None, only_usabl
     return summarize(runs)
 
 
+def case_id(case: RowCase) -> str:
+    """What the cost model is told about a run (problem, framework options, published knobs), as a short id: two
+    runs with one id get one prediction, whatever they measured."""
+    text = repr((case.problem, sorted(case.fixed.items())))
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def repeated_cases(scored: list) -> dict:
+    """Scored runs the cost model cannot tell apart (one `case_id`) but measured differently: each group, how far
+    apart its measurements are, and the MAPE floor they set on the whole set. The best single prediction for a
+    group minimizes sum |p / m_i - 1|, convex and piecewise linear in p with its kinks at the m_i, so one of the
+    m_i attains it."""
+    by_case: dict = {}
+    for r in scored:
+        by_case.setdefault(r.get("case_id"), []).append(r)
+    groups, floor, by_source = [], 0.0, {}
+    n_source: dict = {}
+    for r in scored:
+        n_source[r.get("group") or "?"] = n_source.get(r.get("group") or "?", 0) + 1
+    for cid, rs in by_case.items():
+        if cid is None or len(rs) < 2:
+            continue
+        ms = [r["measured_tokens_per_s_per_gpu"] for r in rs]
+        best = min(sum(abs(p / m - 1.0) for m in ms) for p in ms)
+        floor += best
+        src = rs[0].get("group") or "?"
+        by_source[src] = by_source.get(src, 0.0) + best
+        groups.append({"case_id": cid, "ids": [r["id"] for r in rs], "measured_tokens_per_s_per_gpu": ms,
+                       "spread_pct": 100.0 * (max(ms) / min(ms) - 1.0)})
+    groups.sort(key=lambda g: -g["spread_pct"])
+    return {"groups": groups, "n_runs": sum(len(g["ids"]) for g in groups),
+            "floor_mape_pct": 100.0 * floor / len(scored) if scored else None,
+            "floor_by_source_pct": {k: 100.0 * v / n_source[k] for k, v in sorted(by_source.items())}}
+
+
 def _error_figures(errs: list) -> dict:
     return {"n": len(errs), "mape_pct": float(np.mean(errs)) if errs else None,
             "max_abs_error_pct": float(np.max(errs)) if errs else None}
@@ -566,6 +603,7 @@ def summarize(runs: list) -> dict:
         "n_predicted_oom": sum(1 for r in runs if r.get("predicted_fits") is False),
         "n_not_in_space": len(not_in_space),
         "not_in_space": not_in_space,
+        "repeats": repeated_cases(scored),
     }
     for label, pick in (("dense", lambda r: not r.get("moe")), ("moe", lambda r: r.get("moe"))):
         e = [abs(r["error_pct"]) for r in scored if pick(r)]
