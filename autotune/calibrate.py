@@ -22,7 +22,7 @@ from costmodels.plan import PLAN_FIELDS, Plan
 from costmodels.specs import SpecError
 
 from .search import NoLegalPlan, NothingFits, exhaustive
-from .validate import case_from_row
+from .validate import case_from_row, source_of
 
 #: parameters fitted by default: the time model's efficiencies and overheads (memory constants are
 #: not observable from throughput, so they stay at their documented values). Not gemm_dim_half:
@@ -78,7 +78,7 @@ def build_cases(rows: list, params: EfficiencyParams, only_usable: bool = True) 
             continue
         plan = Plan.from_dict(best["plan"]).row()
         inp_job = encode_job(case.problem.job, case.problem.cluster)
-        cases.append(FitCase(id=case.id, group=(row.get("source") or {}).get("group") or "?", plan=plan,
+        cases.append(FitCase(id=case.id, group=source_of(row).get("group") or "?", plan=plan,
                              model=encode_model(case.problem.model), hw=encode_cluster(case.problem.cluster),
                              job=inp_job, measured_step_s=step))
     return cases

@@ -23,6 +23,7 @@ from costmodels.params import LITERATURE_PRIOR, EfficiencyParams
 
 from .calibrate import DEFAULT_FIT, build_cases, calibrate, parameter_report, predict_steps
 from .datasets import gpu_generation
+from .validate import source_of
 
 #: subsets reported separately
 SUBSETS = ("public-dense", "public-moe", "small-scale")
@@ -40,7 +41,7 @@ class Run:
 
     @property
     def source(self) -> str:
-        return (self.row.get("source") or {}).get("group") or "?"
+        return source_of(self.row).get("group") or "?"
 
     @property
     def generation(self) -> str:

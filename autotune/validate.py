@@ -126,12 +126,21 @@ class RowCase:
     measured_why: str | None = None      # why there is no measured throughput (validate's skip reason)
 
 
+def source_of(row: dict) -> dict:
+    """A row's `source` object; a bare string is read as its title (anything else as no source), so that a
+    hand-written runs file never fails on it."""
+    src = row.get("source")
+    if isinstance(src, str):
+        return {"title": src}
+    return src if isinstance(src, dict) else {}
+
+
 _NEMO = re.compile(r"\bnemo\b")      # the word: "Nemotron-4 ... Technical Report" is a research run, not a recipe
 
 
 def is_nemo_recipe(row: dict) -> bool:
     """A run of NVIDIA's NeMo / Megatron-Bridge benchmark recipes (their published performance tables)."""
-    src = row.get("source") or {}
+    src = source_of(row)
     text = f"{src.get('title', '')} {src.get('url', '')}".lower()
     return bool(_NEMO.search(text)) or "megatron-bridge" in text
 
@@ -141,7 +150,7 @@ def is_bridge_recipe(row: dict) -> bool:
     """A run of Megatron-Bridge's performance scripts: its GPTModelProvider turns
     cross_entropy_loss_fusion on and scripts/performance/utils (helpers.py, later overrides.py) set
     cross_entropy_fusion_impl="te" for every recipe (read at v0.2.0 and v0.4.0-v0.6.0)."""
-    src = row.get("source") or {}
+    src = source_of(row)
     return "megatron-bridge" in f"{src.get('title', '')} {src.get('url', '')}".lower()
 
 
@@ -194,6 +203,13 @@ def runs_deepspeed_zero(row: dict) -> bool:
                                          "deepspeed" in str(plan.get("distributed_optimizer_or_zero") or "").lower())
 
 
+def runs_megatron_deepspeed(row: dict) -> bool:
+    """A run its source says was trained with Megatron-DeepSpeed (the title or the row's notes name it): scored as
+    that framework runs (DeepSpeed's pipeline engine, its ZeRO and gradient reduction), whatever its ZeRO column says."""
+    src = source_of(row)
+    return "megatron-deepspeed" in f"{src.get('title', '')} {row.get('notes', '')}".lower()
+
+
 _YEAR = re.compile(r"\b(20[0-4]\d)\b")
 
 
@@ -201,10 +217,9 @@ def framework_is_modern(row: dict) -> bool:
     """The framework defaults the run would have had (the validation README asks for them):
     FlashAttention (2022) and TE's TP-communication overlap (2023) are on in Megatron-Core / NeMo;
     Megatron-LM before 2022 had neither, and Megatron-DeepSpeed leaves both off by default."""
-    src = row.get("source") or {}
-    text = f"{src.get('title', '')} {row.get('notes', '')}"
-    if "megatron-deepspeed" in text.lower():
+    if runs_megatron_deepspeed(row):
         return False
+    src = source_of(row)
     years = [int(y) for y in _YEAR.findall(str(src.get("title", "")))]
     return not (years and max(years) < 2022)
 
@@ -306,8 +321,7 @@ def with_launch_settings(row: dict) -> tuple[dict, dict]:
     """The row with the plan (and model) values its published launch script or paper gives where the row
     says null (autotune/data/launch_settings.json: its own entry, else its source's), and that entry (empty
     when there is none)."""
-    src = row.get("source")
-    group = src.get("group") if isinstance(src, dict) else None
+    group = source_of(row).get("group")
     launch = launch_settings().get(row.get("id", "")) or launch_settings_by_source().get(group or "", {})
     if not launch:
         return row, launch
@@ -352,7 +366,7 @@ def case_from_row(row: dict) -> RowCase:
     modern = framework_is_modern(row)
     recipe = is_nemo_recipe(row)
     bridge = is_bridge_recipe(row)
-    fw_kind = Framework.DEEPSPEED if runs_deepspeed_zero(row) else Framework.MEGATRON
+    fw_kind = Framework.DEEPSPEED if runs_deepspeed_zero(row) or runs_megatron_deepspeed(row) else Framework.MEGATRON
     recipe_options = bridge_recipe_options(row)
     framework = FrameworkSpec(
         framework=fw_kind,
@@ -493,7 +507,7 @@ def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None
     model = row.get("model") if isinstance(row.get("model"), dict) else {}
     res = _empty_result(row.get("id", "?"))
     res.update(usable=bool(row.get("usable")), moe=bool(model.get("num_experts")), gpu=hw.get("gpu_key"),
-               group=(row.get("source") or {}).get("group") if isinstance(row.get("source"), dict) else None)
+               group=source_of(row).get("group"))
     if calibration_gpu is not None and str(hw.get("gpu_key")).lower() != str(calibration_gpu).lower():
         res["skipped"] = (f"calibration: fitted for GPU {calibration_gpu!r}, this run is on "
                           f"{hw.get('gpu_key')!r} (not applied to another GPU's runs)")

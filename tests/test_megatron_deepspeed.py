@@ -118,15 +118,19 @@ def test_megatron_deepspeed_export_says_the_plan_with_documented_flags(ds_plans,
     assert ds["zero_optimization"]["stage"] == plan.zero and "tensor_parallel" not in ds
 
 
-def test_validate_scores_a_megatron_deepspeed_row_as_it_ran():
-    """A row whose optimizer is DeepSpeed's ZeRO (BLOOM-like: 70 layers over pp 12, vpp not given) is scored
-    without interleaving and with DeepSpeed's own layer split, not Megatron-Core's account-for flags."""
-    row = {"id": "mds-row", "source": {"title": "a Megatron-DeepSpeed run", "group": "t"}, "usable": True,
+@pytest.mark.parametrize("title,zero_text", [
+    ("a 2022 run", "DeepSpeed ZeRO stage 1"),               # its optimizer is DeepSpeed's
+    ("trained with Megatron-DeepSpeed (2022)", None),        # its source names the framework
+])
+def test_validate_scores_a_megatron_deepspeed_row_as_it_ran(title, zero_text):
+    """A Megatron-DeepSpeed row (BLOOM-like: 70 layers over pp 12, vpp not given) is scored without interleaving
+    and with DeepSpeed's own layer split, not Megatron-Core's account-for flags."""
+    row = {"id": "mds-row", "source": {"title": title, "group": "t"}, "usable": True,
            "model": {"name": "t", "layers": 70, "hidden": 14336, "ffn_hidden": 57344, "heads": 112, "kv_heads": 112,
                      "vocab": 250880, "seq_len": 2048},
            "hardware": {"gpu_key": "a100-80gb", "num_gpus": 384, "gpus_per_node": 8},
            "plan": {"tp": 4, "pp": 12, "dp": 8, "micro_batch": 2, "global_batch": 2048, "precision_key": "bf16",
-                    "recompute_key": "full", "zero_key": 1, "distributed_optimizer_or_zero": "DeepSpeed ZeRO stage 1"},
+                    "recompute_key": "full", "zero_key": 1, "distributed_optimizer_or_zero": zero_text},
            "measured": {"tokens_per_s_per_gpu": 100.0}}
     res = validate_rows([row])["runs"][0]
     assert res["skipped"] is None, res["skipped"]

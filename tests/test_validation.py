@@ -18,7 +18,7 @@ from autotune import api
 from autotune.calibrate import build_cases
 from autotune.datasets import dataset_path, load_dataset
 from autotune.search import exhaustive
-from autotune.validate import case_from_row, load_runs, model_from_row, validate_rows
+from autotune.validate import case_from_row, framework_is_modern, load_runs, model_from_row, validate_rows
 from costmodels.params import EfficiencyParams
 from costmodels.specs import SpecError
 
@@ -112,6 +112,17 @@ def test_validate_never_crashes_on_bad_rows(tmp_path):
     path = tmp_path / "runs.json"
     path.write_text(json.dumps(rows[:2]))
     assert len(load_runs(str(path))) == 2
+
+
+@pytest.mark.parametrize("source", ["Narayanan et al. 2021 (SC21)", 5, ["a", "list"], None])
+def test_a_source_that_is_not_an_object_is_read_not_crashed_on(source):
+    """A hand-written runs file may give `source` as a bare title (read as the title: its year and framework
+    count) or as anything else (read as no source); the row is scored either way, never an internal error."""
+    row = _row("narayanan21-t1-1.7B")
+    row["source"] = source
+    res = validate_rows([row])["runs"][0]
+    assert res["skipped"] is None and res["error_pct"] is not None
+    assert (res["group"] is None) and (framework_is_modern(row) == (source != "Narayanan et al. 2021 (SC21)"))
 
 
 # ---------------------------------------------------------------------------------------------
