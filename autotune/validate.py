@@ -376,6 +376,7 @@ def case_from_row(row: dict) -> RowCase:
         # NeMo / Megatron-Bridge benchmark recipes reduce gradients in bf16 (perf_recipes/_common.py
         # sets grad_reduce_in_fp32=False); otherwise the framework's own default
         grad_reduce_in_fp32=not recipe and fw_kind.grad_reduce_in_fp32_default,
+        gradient_accumulation_fusion=fw_kind.gradient_accumulation_fusion_default,
         # their delayed-scaling and MXFP8 recipes gather fp8 primary weights (mixed_precision.py)
         fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row),
         # Megatron-Bridge runs Transformer Engine's fused cross entropy; every other source leaves it to

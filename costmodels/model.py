@@ -160,7 +160,9 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     # without gradient-accumulation fusion each micro-batch's weight gradients are written, then added into
     # the main gradients by their own kernel (2021 LocalDDP's hook: main_grad.add_(grad)): a read of the new
     # gradient and a read + write of the main one per local parameter; fused, the wgrad GEMM's epilogue does it
-    t_acc = (1.0 - J["grad_acc_fusion"]) * (p_dense + p_expert) * (J["weight_bytes"] + 2.0 * J["grad_bytes"]) \
+    # (with ZeRO-2/3 each micro-batch's gradients are reduce-scattered first: only the local shard is accumulated)
+    p_acc = memory.sharded(memory.StageParams(p_dense, p_expert), groups, S.zero >= 2)
+    t_acc = (1.0 - J["grad_acc_fusion"]) * p_acc * (J["weight_bytes"] + 2.0 * J["grad_bytes"]) \
         / (H["hbm_bw"] * e.hbm_eff)
 
     # ---- the step ----
