@@ -203,6 +203,14 @@ def runs_deepspeed_zero(row: dict) -> bool:
                                          "deepspeed" in str(plan.get("distributed_optimizer_or_zero") or "").lower())
 
 
+def _int_or_1(value) -> int:
+    """A plan field as an int for a comparison; what is missing or not a number counts as 1 (case_from_row names it)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 1
+
+
 def runs_megatron_deepspeed(row: dict) -> bool:
     """A run its source says was trained with Megatron-DeepSpeed (the title or the row's notes name it): scored as
     that framework runs (DeepSpeed's pipeline engine, its ZeRO and gradient reduction), whatever its ZeRO column says."""
@@ -367,6 +375,10 @@ def case_from_row(row: dict) -> RowCase:
     recipe = is_nemo_recipe(row)
     bridge = is_bridge_recipe(row)
     fw_kind = Framework.DEEPSPEED if runs_deepspeed_zero(row) or runs_megatron_deepspeed(row) else Framework.MEGATRON
+    if fw_kind is Framework.DEEPSPEED and any(_int_or_1(plan.get(k)) > 1 for k in ("cp", "vpp")):
+        # a published context-parallel or interleaved plan did not run on DeepSpeed's pipeline engine (which has
+        # neither): score it as Megatron-Core runs them rather than refuse the row
+        fw_kind = Framework.MEGATRON
     recipe_options = bridge_recipe_options(row)
     framework = FrameworkSpec(
         framework=fw_kind,

@@ -138,6 +138,22 @@ def test_validate_scores_a_megatron_deepspeed_row_as_it_ran(title, zero_text):
     assert plan["vpp"] == 1 and not plan["account_for_embedding"] and not plan["account_for_loss"] and plan["layout"]
 
 
+@pytest.mark.parametrize("extra", [{"cp": 8}, {"pp": 4, "vpp": 2}])
+def test_a_deepspeed_row_with_a_plan_its_engine_lacks_is_scored_not_refused(extra):
+    """A published context-parallel (DeepSpeed-Ulysses) or interleaved plan whose ZeRO column names DeepSpeed did not
+    run on DeepSpeed's pipeline engine: it is scored as Megatron-Core runs such plans, never dropped as illegal."""
+    row = {"id": "ds-cp", "source": {"title": "a 2023 long-sequence run", "group": "t"}, "usable": True,
+           "model": {"name": "t", "layers": 32, "hidden": 4096, "ffn_hidden": 16384, "heads": 32, "kv_heads": 32,
+                     "vocab": 51200, "seq_len": 32768},
+           "hardware": {"gpu_key": "a100-80gb", "num_gpus": 64, "gpus_per_node": 8},
+           "plan": {"tp": 1, "pp": 1, "micro_batch": 1, "global_batch": 64, "precision_key": "bf16",
+                    "recompute_key": "full", "zero_key": 1, "distributed_optimizer_or_zero": "DeepSpeed ZeRO-1", **extra},
+           "measured": {"tokens_per_s_per_gpu": 1000.0}}
+    res = validate_rows([row])["runs"][0]
+    assert res["skipped"] is None, res["skipped"]
+    assert all(res["plan"][k] == v for k, v in extra.items())
+
+
 @pytest.mark.parametrize("title,sp_filled", [
     ("Smith et al. 2022, Megatron-DeepSpeed", False),       # Megatron-DeepSpeed: --sequence-parallel off by default
     ("a 2021 Megatron-LM run", False),                      # before Megatron-LM v3.0 (2022) had it
