@@ -345,6 +345,10 @@ def with_launch_settings(row: dict) -> tuple[dict, dict]:
 
 def case_from_row(row: dict) -> RowCase:
     row, launch = with_launch_settings(row)
+    for block in ("hardware", "plan", "model", "measured"):
+        if row.get(block) is not None and not isinstance(row[block], dict):
+            raise SpecError(block, f"must be an object of fields (the validation README's row schema), got "
+                            f"{type(row[block]).__name__} {str(row[block])[:40]!r}")
     hw, plan, m = row.get("hardware") or {}, row.get("plan") or {}, row.get("model") or {}
     if _LORA.search(f"{row.get('id', '')} {row.get('notes', '')}"):
         raise SpecError("training", "parameter-efficient fine-tuning (LoRA) is not modeled yet: frozen "

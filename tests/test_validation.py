@@ -107,8 +107,13 @@ def test_search_beats_or_matches_the_published_plan(row_id):
 def test_validate_never_crashes_on_bad_rows(tmp_path):
     rows = [{"id": "empty"}, {"id": "no-gpu", "model": {"layers": 2, "hidden": 64, "heads": 4}},
             {"id": "garbage", "model": "x", "hardware": 3, "plan": None}, "not a dict"]
+    rows.append({"id": "list-plan", "hardware": {"gpu_key": "h100", "num_gpus": 8}, "plan": [1], "measured": "fast"})
     out = validate_rows([r if isinstance(r, dict) else {"id": r} for r in rows], only_usable=False)
     assert out["n_scored"] == 0 and out["n_skipped"] == len(rows)
+    # each reason names the field, never "internal error"
+    reasons = {r["id"]: r["skipped"] for r in out["runs"]}
+    assert not any(why.startswith("internal error") for why in reasons.values()), reasons
+    assert reasons["garbage"].startswith("hardware: must be an object") and reasons["list-plan"].startswith("plan: ")
     path = tmp_path / "runs.json"
     path.write_text(json.dumps(rows[:2]))
     assert len(load_runs(str(path))) == 2
