@@ -232,6 +232,17 @@ def framework_is_modern(row: dict) -> bool:
     return not (years and max(years) < 2022)
 
 
+def megatron_2021_options(precision: Precision) -> dict:
+    """What Megatron-LM before 2022 ran, for a row that states no launch script (NVIDIA/Megatron-LM@6985e58938,
+    2021-08-18, the SC21 artifact's code; launch_settings.json has the same facts per row where a script is
+    published): Megatron's LocalDDP by default (--DDP-impl local: one all-reduce after the backward), no
+    distributed optimizer, no gradient-accumulation fusion (2022-02-13), a synchronous backward TP all-reduce (the
+    asynchronous one was opt-in from 2021-09-02), and gradients reduced in fp32 only for bf16 (arguments.py forces
+    accumulate_allreduce_grads_in_fp32 for bf16; off for fp16)."""
+    return {"overlap_grad_reduce": False, "overlap_param_gather": False, "gradient_accumulation_fusion": False,
+            "async_tensor_model_parallel_allreduce": False, "grad_reduce_in_fp32": precision is not Precision.FP16}
+
+
 def _split_layout(model: ModelSpec, fixed: dict, framework: Framework = Framework.MEGATRON) -> str | None:
     """The pipeline split a published pp (and vpp) ran with when Megatron-Core's even split cannot
     express it (with or without counting the embedding and loss as layers): the balanced layout
@@ -401,6 +412,8 @@ def case_from_row(row: dict) -> RowCase:
         cross_entropy_fusion_impl=CrossEntropyImpl.TE if bridge else CrossEntropyImpl.NATIVE,
         fp8_recipe=fp8_recipe_of(row),
         **recipe_options)
+    if fw_kind is Framework.MEGATRON and not modern:
+        framework = dataclasses.replace(framework, **megatron_2021_options(precision))
     if launch.get("framework"):       # the options its published launch script (or the code of its time) ran with
         stated = framework_spec(**launch["framework"])
         framework = dataclasses.replace(framework, **{k: getattr(stated, k) for k in launch["framework"]})

@@ -119,6 +119,26 @@ def test_validate_never_crashes_on_bad_rows(tmp_path):
     assert len(load_runs(str(path))) == 2
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_2021_megatron_row_without_a_launch_script_runs_2021_megatron(precision):
+    """Megatron-LM@6985e58938 (2021-08-18): LocalDDP (--DDP-impl local), no distributed optimizer, no
+    gradient-accumulation fusion, a synchronous backward TP all-reduce, fp32 gradient reduction only for bf16.
+    A row with a published launch script keeps that script's values (Narayanan's 1.7B ran --DDP-impl torch)."""
+    row = _row("narayanan21-t1-1.7B")
+    row["id"] = "a-2021-row-without-launch-settings"
+    row["plan"]["precision_key"] = precision
+    fw = case_from_row(row).problem.job.framework
+    assert (fw.overlap_grad_reduce, fw.overlap_param_gather, fw.gradient_accumulation_fusion,
+            fw.async_tensor_model_parallel_allreduce) == (False, False, False, False)
+    assert fw.grad_reduce_in_fp32 == (precision == "bf16")
+    scripted = case_from_row(_row("narayanan21-t1-1.7B")).problem.job.framework
+    assert scripted.overlap_grad_reduce and not scripted.gradient_accumulation_fusion
+    modern = _row("narayanan21-t1-1.7B")
+    modern.update(id="a-2024-row", source={"title": "a 2024 Megatron-Core run", "group": "g"})
+    fw = case_from_row(modern).problem.job.framework
+    assert fw.gradient_accumulation_fusion and fw.async_tensor_model_parallel_allreduce and fw.overlap_grad_reduce
+
+
 @pytest.mark.parametrize("source", ["Narayanan et al. 2021 (SC21)", 5, ["a", "list"], None])
 def test_a_source_that_is_not_an_object_is_read_not_crashed_on(source):
     """A hand-written runs file may give `source` as a bare title (read as the title: its year and framework
