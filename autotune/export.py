@@ -22,6 +22,7 @@ Sources of the option names and their meaning:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -52,6 +53,8 @@ class Exported:
     text: str
     options: tuple
     suffix: str
+    #: files the text names, as (file name, text): Megatron-DeepSpeed's --deepspeed_config JSON
+    companions: tuple = ()
 
 
 def _microbatches(plan: Plan, problem: Problem) -> int:
@@ -869,7 +872,7 @@ def _deepspeed(plan: Plan, problem: Problem) -> Exported:
 MDS_CONFIG_FILE = "ds_config.json"
 
 
-def megatron_deepspeed_args(plan: Plan, problem: Problem) -> list:
+def megatron_deepspeed_args(plan: Plan, problem: Problem, config_name: str = MDS_CONFIG_FILE) -> list:
     """microsoft/Megatron-DeepSpeed pretrain_gpt.py flags for a plan scored with --framework deepspeed (the
     search space already keeps to what it runs: no interleaving, no CP, core-attention-only selective
     recompute, DeepSpeed's own layer split). Refused: plans scored for another framework, Megatron-Core's
@@ -935,14 +938,17 @@ def megatron_deepspeed_args(plan: Plan, problem: Problem) -> list:
     a += ["--micro-batch-size", plan.mbs, "--global-batch-size", job.global_batch]
     a += {Precision.BF16: ["--bf16"], Precision.FP16: ["--fp16"], Precision.FP32: []}[job.precision]
     a += backend
-    a += ["--deepspeed", "--deepspeed_config", MDS_CONFIG_FILE, "--zero-stage", plan.zero]
+    a += ["--deepspeed", "--deepspeed_config", config_name, "--zero-stage", plan.zero]
     return [str(x) for x in a]
 
 
-def _megatron_deepspeed(plan: Plan, problem: Problem) -> Exported:
-    argv = megatron_deepspeed_args(plan, problem)
-    deepspeed_config(plan, problem)        # its JSON must exist too: refuse here what that export refuses
-    return _args_text("megatron-deepspeed", argv)
+def _megatron_deepspeed(plan: Plan, problem: Problem, name: str | None = None) -> Exported:
+    """The command line and, as a companion, the DeepSpeed config it names (`<name>_ds_config.json` when the
+    caller names the files, else ds_config.json): `export --to deepspeed` of the same plan."""
+    config_name = f"{name}_ds_config.json" if name else MDS_CONFIG_FILE
+    argv = megatron_deepspeed_args(plan, problem, config_name)
+    config = _deepspeed(plan, problem)        # its JSON must exist too: refuse here what that export refuses
+    return dataclasses.replace(_args_text("megatron-deepspeed", argv), companions=((config_name, config.text),))
 
 
 _EXPORTERS = {"megatron": _megatron, "bridge": _bridge, "torchtitan": _torchtitan, "maxtext": _maxtext,
@@ -956,10 +962,13 @@ def parse_target(text: str) -> str:
     return t
 
 
-def export(target: str, plan: Plan, problem: Problem) -> Exported:
-    """The plan as `target` runs it, or ExportRefused (a SpecError) naming the plan field and why."""
+def export(target: str, plan: Plan, problem: Problem, name: str | None = None) -> Exported:
+    """The plan as `target` runs it, or ExportRefused (a SpecError) naming the plan field and why. `name`: the
+    stem of the files it will be written to, for a target whose text names a companion file."""
     target = parse_target(target)
     if problem.job.framework.framework is Framework.JAX and target != "maxtext":
         raise ExportRefused(target, "framework=jax", "the plan was scored as one XLA-compiled step (a JAX "
                             "trainer); export it to maxtext, or score it with --framework megatron")
+    if target == "megatron-deepspeed":
+        return _megatron_deepspeed(plan, problem, name)
     return _EXPORTERS[target](plan, problem)

@@ -100,6 +100,8 @@ def finish_report(report: dict, problem, export_to: str | None = None) -> dict:
         try:
             e = export(export_to, Plan.from_dict(report["best"]["plan"]), problem)
             report["export"] = {"to": e.target, "plan": report["plan_text"], "text": e.text}
+            if e.companions:        # the files the text names (Megatron-DeepSpeed's DeepSpeed config)
+                report["export"]["companions"] = [{"file": f, "text": t} for f, t in e.companions]
         except ExportRefused as exc:
             report["export"] = {"to": export_to, "plan": report["plan_text"], "refused": str(exc)}
     return report
@@ -121,6 +123,9 @@ def print_plan_lines(con, report: dict) -> None:
     if report.get("export", {}).get("text"):
         con.print(Text(f"As {report['export']['to']} (autotune export --to {report['export']['to']}):"))
         con.print(Text(report["export"]["text"].rstrip("\n")))
+        for comp in report["export"].get("companions", []):
+            con.print(Text(f"and {comp['file']}, which it names:"))
+            con.print(Text(comp["text"].rstrip("\n")))
 
 
 def export_cmd(
@@ -158,32 +163,41 @@ def export_cmd(
     cuda_graph_modules: CudaGraphModulesOpt = None,
     as_json: JsonOpt = False,
 ) -> int:
-    """Write a plan as Megatron-LM arguments, Megatron-Bridge overrides, torchtitan TOML, MaxText YAML or DeepSpeed JSON."""
+    """Write a plan as Megatron-LM arguments, Megatron-Bridge overrides, torchtitan TOML, MaxText YAML, DeepSpeed JSON or
+    Megatron-DeepSpeed arguments (with --out, and its DeepSpeed config beside them)."""
     from autotune.export import export
     target = parse_target(to)
     problem, plans, _ = _problem_and_plans(
         report, plan, model, gpu, gpus, global_batch, seq_len, precision, gpus_per_node, intra_node_bw, inter_node_bw,
         cluster, framework_options_of(locals()), top)
-    exported = [export(target, p, problem) for p in plans]      # any refusal stops before writing
+    stems = [f"{problem.model.name}_{problem.cluster.num_gpus}gpu_plan{i}_{target}" for i in range(1, len(plans) + 1)]
+    # any refusal stops before writing; with --out each companion file (Megatron-DeepSpeed's DeepSpeed config) is
+    # named after its plan's file
+    exported = [export(target, p, problem, name=stem if out else None) for p, stem in zip(plans, stems)]
     paths = []
     if out:
         try:
             os.makedirs(out, exist_ok=True)
-            for i, e in enumerate(exported, 1):
-                path = os.path.join(out, f"{problem.model.name}_{problem.cluster.num_gpus}gpu_plan{i}_{target}{e.suffix}")
+            for stem, e in zip(stems, exported):
+                path = os.path.join(out, f"{stem}{e.suffix}")
                 with open(path, "w") as fh:
                     fh.write(e.text)
+                for fname, text in e.companions:
+                    with open(os.path.join(out, fname), "w") as fh:
+                        fh.write(text)
                 paths.append(path)
         except OSError as exc:
             raise SpecError("out", f"cannot write to {out}: {exc.strerror or exc}") from None
     if as_json:
         _print_json({"to": target, "exports": [{"plan": str(p), "text": e.text, "options": list(e.options),
-                                                "path": paths[i] if paths else None}
+                                                "path": paths[i] if paths else None,
+                                                "companions": [{"file": f, "text": t} for f, t in e.companions]}
                                                for i, (p, e) in enumerate(zip(plans, exported))]})
         return EXIT_OK
     for i, (p, e) in enumerate(zip(plans, exported)):
         if paths:
-            sys.stdout.write(f"plan {i + 1} ({p}): {paths[i]}\n")
+            also = "".join(f", {os.path.join(out, f)}" for f, _ in e.companions)
+            sys.stdout.write(f"plan {i + 1} ({p}): {paths[i]}{also}\n")
         else:
             if len(plans) > 1:
                 sys.stdout.write(f"# plan {i + 1}: {p}\n")

@@ -185,6 +185,18 @@ def test_cli_search_and_export_for_megatron_deepspeed(tmp_path):
     r = run("export", "--to", "megatron-deepspeed", "--plan", plan, *common)
     assert r.exit_code == 0, r.stderr
     assert "--deepspeed_config ds_config.json" in r.stdout and "--zero-stage 1" in r.stdout
+    # with --out, the DeepSpeed config the command names is written beside it, named after its plan
+    r = run("export", "--to", "megatron-deepspeed", "--plan", plan, *common, "--out", str(tmp_path))
+    assert r.exit_code == 0, r.stderr
+    (args_file,) = tmp_path.glob("*.args")
+    named = args_file.read_text().split("--deepspeed_config ")[1].split()[0]
+    assert named == args_file.stem + "_ds_config.json" and str(tmp_path / named) in r.stdout
+    cfg = json.loads((tmp_path / named).read_text())
+    assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 8   # dp = 64 / (tp 2 x pp 4)
+    r = run("search", *common, "--json", "--no-save", "--export", "megatron-deepspeed")
+    assert r.exit_code == 0, r.stderr
+    exp = json.loads(r.stdout)["export"]
+    assert "--deepspeed_config ds_config.json" in exp["text"] and exp["companions"][0]["file"] == "ds_config.json"
     assert_one_line_error(run("export", "--to", "megatron", "--plan", plan, *common), 2,
                           "export --to megatron", "framework=deepspeed", "megatron-deepspeed")
     assert_one_line_error(run("export", "--to", "megatron-deepspeed", "--plan", "tp=2,pp=4,vpp=2", *common), 2,
