@@ -16,11 +16,11 @@ class EfficiencyParams(NamedTuple):
     # --- compute ---
     gemm_eff_max: float = 0.8994          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
     gemm_eff_max_fp8: float = 0.9271      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
-    gemm_dim_half: float = 46.0000           # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim;
+    gemm_dim_half: float = 46.0           # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim;
     #                                       measured, not fitted (H200 sweep, tests/gpu/compare_h200.py)
     attn_eff_max: float = 0.5197          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
-    attn_seq_half: float = 256.0000        # sequence length at which attention efficiency halves
-    attn_bwd_ratio: float = 2.5000         # flash-attention backward time / forward time (5 vs 2 GEMMs)
+    attn_seq_half: float = 256.0        # sequence length at which attention efficiency halves
+    attn_bwd_ratio: float = 2.5         # flash-attention backward time / forward time (5 vs 2 GEMMs)
     softmax_bytes_per_score: float = 11.5954  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
     hbm_eff: float = 0.8993               # achieved fraction of HBM bandwidth for memory-bound kernels
     elementwise_bytes_h: float = 26.0799   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
