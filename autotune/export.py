@@ -241,7 +241,8 @@ def _refuse_megatron_deepspeed(target: str, problem: Problem) -> None:
     if problem.job.framework.framework is Framework.DEEPSPEED:
         raise ExportRefused(target, "framework=deepspeed", "the plan was scored as Megatron-DeepSpeed runs it "
                             "(DeepSpeed's pipeline engine and ZeRO, its unfused loss); export it --to "
-                            "megatron-deepspeed (with --to deepspeed for its JSON), or score it with --framework megatron")
+                            "megatron-deepspeed (--out writes its DeepSpeed config beside it), or score it with "
+                            "--framework megatron")
 
 
 def _refuse_sync_tp(target: str, problem: Problem) -> None:
