@@ -31,6 +31,7 @@ from costmodels.files import read_text
 
 from .files import dumps_json, read_json, write_text_atomic
 from .calibrate import DEFAULT_FIT, FitCase, build_cases, calibrate, fit, mape_pct, parameter_report
+from .validate import repeated_runs, repeats_warning
 
 # ------------------------------------------------------------------------------------------------
 # Megatron-LM logs
@@ -183,6 +184,10 @@ def calibrate_runs(rows: list, gpu: str, *, holdout_frac: float = 0.2, seed: int
     before_hold = mape_pct(build_cases(hold, params), params) if hold else None
     after_hold = mape_pct(build_cases(hold, fitted), fitted) if hold else None
     clean = lambda x: None if x is None or (isinstance(x, float) and math.isnan(x)) else x   # noqa: E731
+    repeats = repeated_runs(mine)        # runs no calibration can fit together
+    honesty = _honesty(fitted, params)
+    if repeats_warning(repeats):
+        honesty["warnings"].append(repeats_warning(repeats))
     return {"gpu": gpu, "params": params_to_dict(fitted),
             "fit": {"source": source, "kind": "runs", "holdout_frac": holdout_frac, "seed": seed,
                     "rounds": rounds, "steps": steps,
@@ -190,8 +195,8 @@ def calibrate_runs(rows: list, gpu: str, *, holdout_frac: float = 0.2, seed: int
                     "train_ids": [r.get("id") for r in train], "holdout_ids": [r.get("id") for r in hold],
                     "mape_train_before_pct": clean(before_train), "mape_train_after_pct": clean(after_train),
                     "mape_holdout_before_pct": clean(before_hold), "mape_holdout_after_pct": clean(after_hold),
-                    "fitted": list(DEFAULT_FIT)},
-            **_honesty(fitted, params)}
+                    "fitted": list(DEFAULT_FIT), "repeats": repeats},
+            **honesty}
 
 
 def _honesty(fitted: EfficiencyParams, start: EfficiencyParams) -> dict:

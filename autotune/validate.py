@@ -629,6 +629,34 @@ def repeated_cases(scored: list) -> dict:
             "floor_by_source_pct": {k: 100.0 * v / n_source[k] for k, v in sorted(by_source.items())}}
 
 
+def repeated_runs(rows: list) -> dict:
+    """`repeated_cases` of a runs file before any prediction (`calibrate` warns with it): each row's case and
+    measured throughput; rows that cannot be read or have no measurement are left out."""
+    measured = []
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        try:
+            case = case_from_row(row)
+        except (SpecError, ValueError, TypeError, KeyError):
+            continue
+        if case.measured_tokens_per_s_per_gpu is not None:
+            measured.append({"id": case.id, "case_id": case_id(case), "group": source_of(row).get("group"),
+                             "measured_tokens_per_s_per_gpu": case.measured_tokens_per_s_per_gpu})
+    return repeated_cases(measured)
+
+
+def repeats_warning(rep: dict) -> str | None:
+    """One line on the runs the cost model cannot tell apart (None when there are none)."""
+    if not rep.get("groups"):
+        return None
+    worst, n = rep["groups"][0], len(rep["groups"])
+    return (f"{rep['n_runs']} runs in {n} group{'s' if n > 1 else ''} are one case each to the cost model (the same "
+            f"problem, framework options and plan) but were measured up to {worst['spread_pct']:.1f} % apart "
+            f"({', '.join(worst['ids'])}): no prediction matches both, and they put a floor of "
+            f"{rep['floor_mape_pct']:.2f} % under the MAPE")
+
+
 def _error_figures(errs: list) -> dict:
     return {"n": len(errs), "mape_pct": float(np.mean(errs)) if errs else None,
             "max_abs_error_pct": float(np.max(errs)) if errs else None}

@@ -447,6 +447,7 @@ def validate(
 ) -> int:
     """Predict published, measured runs and report the error per run and the MAPE."""
     from autotune import api
+    from autotune.validate import repeats_warning
     with spinner("Predicting runs...", enabled=not as_json):
         summary = api.validate(file, dataset=dataset, calibration=calibration, only_usable=not all_rows)
     if as_json:
@@ -475,14 +476,9 @@ def validate(
     for r in summary.get("not_in_space", []):
         rules = "; ".join(f"{b['rule']}: {b['reason']}" for b in r["rules"])
         con.print(Text(f"  not in the legal space: {r['id']}: {rules}"))
-    rep = summary.get("repeats") or {}
-    if rep.get("groups"):
-        worst = rep["groups"][0]
-        n = len(rep["groups"])
-        con.print(Text(f"Repeated cases: {rep['n_runs']} runs in {n} group{'s' if n > 1 else ''} are one case each "
-                       f"to the cost model (one prediction) but measured up to {worst['spread_pct']:.1f} % apart "
-                       f"({', '.join(worst['ids'])}); they put a floor of {rep['floor_mape_pct']:.2f} % under the "
-                       f"MAPE above (no prediction can score lower)."))
+    repeats = repeats_warning(summary.get("repeats") or {})
+    if repeats:
+        con.print(Text(f"Repeated cases: {repeats} above (no prediction can score lower)."))
     if summary.get("calibration_gpu"):
         con.print(Text(f"Calibration {summary['calibration']} (fitted for {summary['calibration_gpu']}) applied to "
                        f"that GPU's runs only; the others are skipped."))

@@ -66,3 +66,17 @@ def test_cli_prints_the_repeated_cases(tmp_path):
     assert r.exit_code == 0, r.stderr
     line = " ".join(r.stdout.split())
     assert "Repeated cases: 2 runs in 1 group" in line and "100.0 % apart (a, b)" in line and "floor of 25.00 %" in line
+
+
+def test_calibrate_warns_that_no_fit_matches_both(tmp_path):
+    """`calibrate` on a file holding one case measured twice says so: its fit cannot match both runs."""
+    f, out = tmp_path / "runs.json", tmp_path / "cal.json"
+    f.write_text(json.dumps([_row("a", 100.0), _row("b", 200.0), _row("c", 150.0, tp=4)]))
+    r = run("calibrate", str(f), "--gpu", "h100", "-o", str(out), "--holdout-frac", "0", "--rounds", "1",
+            "--steps", "5")
+    assert r.exit_code == 0, r.stderr
+    line = " ".join(r.stdout.split())
+    assert "warning: 2 runs in 1 group are one case each to the cost model" in line and "(a, b)" in line
+    doc = json.loads(out.read_text())
+    assert [g["ids"] for g in doc["fit"]["repeats"]["groups"]] == [["a", "b"]]
+    assert doc["fit"]["repeats"]["floor_mape_pct"] == pytest.approx(50.0 / 3.0)
