@@ -105,6 +105,15 @@ def cross_entropy_note(problem) -> str:
             f"logits, {LOSS_BYTES_PER_LOGIT['unfused']:.0f} B per logit forward + backward; {fix}); costed.")
 
 
+def deepspeed_moe_note(problem) -> str:
+    """A note when a Mixture-of-Experts model is scored for Megatron-DeepSpeed, whose MoE layer is DeepSpeed-MoE."""
+    if problem.model.is_moe and problem.job.framework.framework is Framework.DEEPSPEED:
+        return (f"Note: {problem.model.name} is scored with Megatron-Core's MoE layer (dropless token dispatch); "
+                "Megatron-DeepSpeed runs DeepSpeed-MoE (capacity-factor gating), which is not modeled, and "
+                "export --to megatron-deepspeed refuses MoE models.")
+    return ""
+
+
 def fp8_recipe_note(problem) -> str:
     """A note when --fp8-recipe names a recipe the job does not run (it trains in bf16 / fp16 / fp4, or the jax
     runner scales its own), and when the recipe is current scaling, whose amax passes the cost model charges."""
@@ -133,6 +142,7 @@ def fp8_attention_note(problem) -> str:
 def problem_notes(problem) -> list:
     """The notes `search` and `predict` print under the problem: what the cost model counts for it."""
     return [n for n in (sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem),
+                        deepspeed_moe_note(problem),
                         fp8_recipe_note(problem), fp8_attention_note(problem)) if n]
 
 

@@ -201,3 +201,15 @@ def test_cli_search_and_export_for_megatron_deepspeed(tmp_path):
                           "export --to megatron", "framework=deepspeed", "megatron-deepspeed")
     assert_one_line_error(run("export", "--to", "megatron-deepspeed", "--plan", "tp=2,pp=4,vpp=2", *common), 2,
                           "plan (deepspeed_no_interleave)", "vpp=2")
+
+
+@pytest.mark.parametrize("model,framework,says", [
+    ("mixtral-8x7b", "deepspeed", True),      # DeepSpeed-MoE is not the layer scored
+    ("mixtral-8x7b", "megatron", False),
+    ("llama3-8b", "deepspeed", False),
+])
+def test_search_says_when_a_moe_model_is_scored_for_megatron_deepspeed(model, framework, says):
+    r = run("search", "--model", model, "--gpu", "h100", "--gpus", "64", "--global-batch", "256", "--seq-len", "4096",
+            "--framework", framework, "--no-save", "--top", "1")
+    assert r.exit_code == 0, r.stderr
+    assert ("Megatron-DeepSpeed runs DeepSpeed-MoE" in " ".join(r.stdout.split())) == says
