@@ -112,14 +112,27 @@ def _window_args(m) -> list:
     return ["--window-size", f"{m.sliding_window},0", "--window-attn-skip-freq", freq]
 
 
-def megatron_model_args(problem: Problem) -> list:
-    """Model shape flags for pretrain_gpt.py (a NullTokenizer of the model's vocabulary, so mock data
-    runs without a tokenizer file)."""
-    m, job = problem.model, problem.job
+def _layer_shape_args(m) -> list:
+    """The layer-shape flags Megatron-LM and Megatron-DeepSpeed spell alike."""
     a = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--ffn-hidden-size", m.ffn_hidden_size,
          "--num-attention-heads", m.num_attention_heads]
     if m.head_dim and m.head_dim != m.hidden_size // m.num_attention_heads:
         a += ["--kv-channels", m.head_dim]
+    return a
+
+
+def _vocab_args(m) -> list:
+    """Untied output layer and a NullTokenizer of the model's vocabulary (mock data needs no tokenizer file);
+    the same flags in Megatron-LM and Megatron-DeepSpeed."""
+    return (["--untie-embeddings-and-output-weights"] if not m.tied_embeddings else []) + [
+        "--vocab-size", m.vocab_size, "--tokenizer-type", "NullTokenizer"]
+
+
+def megatron_model_args(problem: Problem) -> list:
+    """Model shape flags for pretrain_gpt.py (a NullTokenizer of the model's vocabulary, so mock data
+    runs without a tokenizer file)."""
+    m, job = problem.model, problem.job
+    a = _layer_shape_args(m)
     if m.num_kv_heads != m.num_attention_heads:
         a += ["--group-query-attention", "--num-query-groups", m.num_kv_heads]
     a += ["--seq-length", job.seq_len, "--max-position-embeddings", max(job.seq_len, m.max_seq_len)]
@@ -127,10 +140,7 @@ def megatron_model_args(problem: Problem) -> list:
         a += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
         if m.position_embedding == "yarn":     # YaRN-scaled RoPE runs unfused (the cost model's rope_unfused)
             a += ["--rope-type", "yarn", "--no-rope-fusion"]
-    a += _window_args(m)
-    if not m.tied_embeddings:
-        a += ["--untie-embeddings-and-output-weights"]
-    a += ["--vocab-size", m.vocab_size, "--tokenizer-type", "NullTokenizer"]
+    a += _window_args(m) + _vocab_args(m)
     if m.is_moe:
         a += ["--num-experts", m.num_experts, "--moe-router-topk", m.experts_per_token,
               "--moe-ffn-hidden-size", m.moe_ffn_hidden_size, "--moe-grouped-gemm"]
@@ -911,18 +921,13 @@ def megatron_deepspeed_args(plan: Plan, problem: Problem, config_name: str = MDS
         raise ExportRefused(t, f"attention_backend={fw.attention_backend.value}", "Megatron-DeepSpeed runs "
                             "FlashAttention (--use-flash-attn-v2) or its own unfused attention, not cuDNN's fused "
                             "kernel")
-    a = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--ffn-hidden-size", m.ffn_hidden_size,
-         "--num-attention-heads", m.num_attention_heads]
-    if m.head_dim and m.head_dim != m.hidden_size // m.num_attention_heads:
-        a += ["--kv-channels", m.head_dim]
+    a = _layer_shape_args(m)
     if m.num_kv_heads != m.num_attention_heads:
         a += ["--num-key-value-heads", m.num_kv_heads]
     a += ["--seq-length", job.seq_len, "--max-position-embeddings", max(job.seq_len, m.max_seq_len)]
     if m.gated_mlp:        # Llama-style, as its examples_deepspeed/pretrain_llama2_distributed.sh sets it
         a += ["--swiglu", "--normalization", "rmsnorm", "--use-rotary-position-embeddings", "--disable-bias-linear"]
-    if not m.tied_embeddings:
-        a += ["--untie-embeddings-and-output-weights"]
-    a += ["--vocab-size", m.vocab_size, "--tokenizer-type", "NullTokenizer"]
+    a += _vocab_args(m)
     a += ["--tensor-model-parallel-size", plan.tp, "--pipeline-model-parallel-size", plan.pp]
     if plan.pp == 1:
         # without it Megatron-DeepSpeed still builds DeepSpeed's PipelineModule (arguments.py

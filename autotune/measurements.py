@@ -186,8 +186,8 @@ def calibrate_runs(rows: list, gpu: str, *, holdout_frac: float = 0.2, seed: int
     clean = lambda x: None if x is None or (isinstance(x, float) and math.isnan(x)) else x   # noqa: E731
     repeats = repeated_runs(mine)        # runs no calibration can fit together
     honesty = _honesty(fitted, params)
-    if repeats_warning(repeats):
-        honesty["warnings"].append(repeats_warning(repeats))
+    if warning := repeats_warning(repeats):
+        honesty["warnings"].append(warning)
     return {"gpu": gpu, "params": params_to_dict(fitted),
             "fit": {"source": source, "kind": "runs", "holdout_frac": holdout_frac, "seed": seed,
                     "rounds": rounds, "steps": steps,
