@@ -562,6 +562,9 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
         o += [("comm_overlap.overlap_moe_expert_parallel_comm", True)]
     if not fw.gradient_accumulation_fusion:
         o += [("model.gradient_accumulation_fusion", False)]
+    if fw.lora_dim:
+        # a finetune recipe built with peft="lora" (ConfigContainer.peft = peft/lora.py LoRA): its rank and targets
+        o += [("peft.dim", fw.lora_dim), ("peft.target_modules", [m.value for m in fw.lora_target_modules])]
     o += [("model.cross_entropy_loss_fusion", fw.cross_entropy_loss_fusion)]
     if fw.cross_entropy_loss_fusion:
         o += [("model.cross_entropy_fusion_impl", fw.cross_entropy_fusion_impl.value)]
@@ -975,6 +978,9 @@ def export(target: str, plan: Plan, problem: Problem, name: str | None = None) -
     if problem.job.framework.framework is Framework.JAX and target != "maxtext":
         raise ExportRefused(target, "framework=jax", "the plan was scored as one XLA-compiled step (a JAX "
                             "trainer); export it to maxtext, or score it with --framework megatron")
+    if problem.job.framework.lora_dim and target != "bridge":
+        raise ExportRefused(target, f"lora_dim={problem.job.framework.lora_dim}", f"LoRA fine-tuning is Megatron-"
+                            f"Bridge's PEFT; {target} has no LoRA setting here: export it --to bridge")
     if target == "megatron-deepspeed":
         return _megatron_deepspeed(plan, problem, name)
     return _EXPORTERS[target](plan, problem)

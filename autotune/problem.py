@@ -7,7 +7,7 @@ from costmodels.plan import Plan, parse_plan_text
 from costmodels.presets import build_cluster, load_model
 from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Fp8Recipe, Framework,
                               FrameworkSpec, JobSpec, PipelineSchedule, Precision, SpecError,
-                              parse_cuda_graph_modules)
+                              parse_cuda_graph_modules, parse_lora_modules)
 from search_spaces.space import Problem, check_plan, complete_plan
 
 #: default tokens per optimizer step when --global-batch is omitted (Llama 3 / GPT-3 scale: ~4M)
@@ -56,7 +56,9 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    cross_entropy_loss_fusion: bool | None = None,
                    cross_entropy_fusion_impl: str | None = None,
                    fp8_recipe: str | None = None,
-                   fp8_dot_product_attention: bool | None = None) -> FrameworkSpec:
+                   fp8_dot_product_attention: bool | None = None,
+                   lora_dim: int | None = None,
+                   lora_target_modules: list | tuple | str | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
@@ -68,7 +70,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                                    async_tensor_model_parallel_allreduce=async_tensor_model_parallel_allreduce,
                                    moe_permute_fusion=moe_permute_fusion,
                                    cross_entropy_loss_fusion=cross_entropy_loss_fusion,
-                                   fp8_dot_product_attention=fp8_dot_product_attention).items()
+                                   fp8_dot_product_attention=fp8_dot_product_attention,
+                                   lora_dim=lora_dim).items()
              if v is not None}
     if framework is not None:
         given["framework"] = Framework.parse(framework)
@@ -86,6 +89,9 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
         given["cross_entropy_fusion_impl"] = CrossEntropyImpl.parse(cross_entropy_fusion_impl)
     if fp8_recipe is not None:
         given["fp8_recipe"] = Fp8Recipe.parse(fp8_recipe)
+    if lora_target_modules:
+        mods = [lora_target_modules] if isinstance(lora_target_modules, str) else lora_target_modules
+        given["lora_target_modules"] = parse_lora_modules(mods)
     if cuda_graph_impl is not None or cuda_graph_modules:
         impl = CudaGraphImpl.parse(cuda_graph_impl) if cuda_graph_impl is not None else CudaGraphImpl.NONE
         mods = [cuda_graph_modules] if isinstance(cuda_graph_modules, str) else cuda_graph_modules

@@ -11,7 +11,7 @@ from dataclasses import fields
 from costmodels.plan import DEFAULT_RECOMPUTE_MODULES, Plan
 from costmodels.specs import (AttentionBackend, ClusterSpec, CrossEntropyImpl, CudaGraphImpl, CudaGraphModule,
                               DispatcherType, Fp8Recipe, Framework, FrameworkSpec, GPUSpec, JobSpec, ModelSpec,
-                              PipelineSchedule, Precision, Recompute, SpecError)
+                              PipelineSchedule, Precision, Recompute, SpecError, parse_lora_modules)
 from search_spaces.space import Problem
 
 from .files import read_json
@@ -41,6 +41,8 @@ def _framework(job: dict) -> FrameworkSpec:
         v["fp8_recipe"] = Fp8Recipe.parse(v["fp8_recipe"])
     if "cuda_graph_impl" in v:
         v["cuda_graph_impl"] = CudaGraphImpl.parse(v["cuda_graph_impl"])
+    if "lora_target_modules" in v:
+        v["lora_target_modules"] = parse_lora_modules(v["lora_target_modules"])
     if "cuda_graph_modules" in v:
         mods = {CudaGraphModule.parse(m) for m in v["cuda_graph_modules"] or ()}
         v["cuda_graph_modules"] = tuple(m for m in CudaGraphModule if m in mods)

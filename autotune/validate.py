@@ -334,6 +334,9 @@ def recipe_recompute_knobs(row: dict, model: ModelSpec) -> dict:
 
 
 _LORA = re.compile(r"\blora\b", re.IGNORECASE)
+#: the adapter rank of a LoRA run that does not state one: Megatron-Bridge's and NeMo's default
+#: (peft/lora.py LoRA.dim = 32; NeMo 1's lora_tuning.adapter_dim: 32)
+LORA_DIM_DEFAULT = 32
 
 
 def with_launch_settings(row: dict) -> tuple[dict, dict]:
@@ -361,9 +364,7 @@ def case_from_row(row: dict) -> RowCase:
             raise SpecError(block, f"must be an object of fields (the validation README's row schema), got "
                             f"{type(row[block]).__name__} {str(row[block])[:40]!r}")
     hw, plan, m = row.get("hardware") or {}, row.get("plan") or {}, row.get("model") or {}
-    if _LORA.search(f"{row.get('id', '')} {row.get('notes', '')}"):
-        raise SpecError("training", "parameter-efficient fine-tuning (LoRA) is not modeled yet: frozen "
-                        "base weights skip weight gradients and optimizer states")
+    lora = bool(_LORA.search(f"{row.get('id', '')} {row.get('notes', '')}"))
     gpu_key = hw.get("gpu_key")
     if gpu_key not in GPU_PRESETS:
         raise SpecError("hardware.gpu_key", f"unknown GPU {gpu_key!r}")
@@ -414,6 +415,8 @@ def case_from_row(row: dict) -> RowCase:
         **recipe_options)
     if fw_kind is Framework.MEGATRON and not modern:
         framework = dataclasses.replace(framework, **megatron_2021_options(precision))
+    if lora:                          # a LoRA run: the framework's default rank (its targets: the source's below)
+        framework = dataclasses.replace(framework, lora_dim=LORA_DIM_DEFAULT)
     if launch.get("framework"):       # the options its published launch script (or the code of its time) ran with
         stated = framework_spec(**launch["framework"])
         framework = dataclasses.replace(framework, **{k: getattr(stated, k) for k in launch["framework"]})
@@ -424,7 +427,7 @@ def case_from_row(row: dict) -> RowCase:
         framework = framework_spec(**stated_fw)
     job = JobSpec(global_batch=int(plan["global_batch"]), seq_len=int(m["seq_len"]), precision=precision,
                   framework=framework)
-    fixed, filled = {}, []
+    fixed, filled = {}, ["lora_dim"] if lora else []
     for knob, key in _KNOWN_PLAN.items():
         val = plan.get(key)
         if val is None and knob == "vpp":

@@ -18,7 +18,7 @@ from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, P
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
                          MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt, CudaGraphImplOpt,
-                         Fp8AttentionOpt, Fp8RecipeOpt,
+                         Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, Fp8RecipeOpt,
                          CudaGraphModulesOpt, framework_options_of)
 from costmodels.specs import SpecError
 
@@ -62,6 +62,8 @@ def explain(
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     fp8_recipe: Fp8RecipeOpt = None,
     fp8_dot_product_attention: Fp8AttentionOpt = None,
+    lora_dim: LoraDimOpt = None,
+    lora_target_modules: LoraModulesOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -226,6 +228,8 @@ def whatif(
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     fp8_recipe: Fp8RecipeOpt = None,
     fp8_dot_product_attention: Fp8AttentionOpt = None,
+    lora_dim: LoraDimOpt = None,
+    lora_target_modules: LoraModulesOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -25,7 +25,7 @@ from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
     OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt,
-    CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, Fp8RecipeOpt,
+    CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, Fp8RecipeOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options_of,
 )
@@ -114,6 +114,18 @@ def deepspeed_moe_note(problem) -> str:
     return ""
 
 
+def lora_note(problem) -> str:
+    """What a LoRA job is scored as: frozen base weights, adapters on the target linears."""
+    fw = problem.job.framework
+    if not fw.lora_dim:
+        return ""
+    targets = ", ".join(m.value for m in fw.lora_target_modules)
+    return (f"Note: LoRA fine-tuning (Megatron-Bridge peft=LoRA(dim={fw.lora_dim}) on {targets}): the base weights, "
+            "embedding and output layer are frozen (no weight gradients, optimizer states or gradient reduction for "
+            "them); model FLOPs count 4 per parameter per token, as NeMo's tables do. Sequence packing (attention "
+            "kept inside each packed example) is not modeled: every sequence attends over its full length.")
+
+
 def fp8_recipe_note(problem) -> str:
     """A note when --fp8-recipe names a recipe the job does not run (it trains in bf16 / fp16 / fp4, or the jax
     runner scales its own), and when the recipe is current scaling, whose amax passes the cost model charges."""
@@ -142,7 +154,7 @@ def fp8_attention_note(problem) -> str:
 def problem_notes(problem) -> list:
     """The notes `search` and `predict` print under the problem: what the cost model counts for it."""
     return [n for n in (sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem),
-                        deepspeed_moe_note(problem),
+                        deepspeed_moe_note(problem), lora_note(problem),
                         fp8_recipe_note(problem), fp8_attention_note(problem)) if n]
 
 
@@ -248,6 +260,8 @@ def search(
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     fp8_recipe: Fp8RecipeOpt = None,
     fp8_dot_product_attention: Fp8AttentionOpt = None,
+    lora_dim: LoraDimOpt = None,
+    lora_target_modules: LoraModulesOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
@@ -407,6 +421,8 @@ def predict(
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     fp8_recipe: Fp8RecipeOpt = None,
     fp8_dot_product_attention: Fp8AttentionOpt = None,
+    lora_dim: LoraDimOpt = None,
+    lora_target_modules: LoraModulesOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -55,6 +55,16 @@ Fp8AttentionOpt = Annotated[Optional[bool], typer.Option(
     help="With --precision fp8 and --attention-backend fused: Transformer Engine's fp8 attention on cuDNN "
          "(Megatron-Core's fp8_dot_product_attention; delayed on Hopper / Blackwell, tensorwise and mxfp8 on "
          "Blackwell). Default off.")]
+LoraDimOpt = Annotated[Optional[int], typer.Option(
+    "--lora-dim", metavar="N",
+    help="LoRA fine-tuning (Megatron-Bridge peft=LoRA(dim=N), N = 32 its default): rank-N adapters on every "
+         "attention and MLP linear train, the base weights stay frozen (no weight gradients, optimizer states or "
+         "gradient reduction for them). Default 0: every weight trains.")]
+LoraModulesOpt = Annotated[Optional[list[str]], typer.Option(
+    "--lora-target-modules", metavar="MODULES",
+    help="With --lora-dim: the linears that get adapters, of linear_qkv, linear_proj, linear_fc1, linear_fc2 "
+         "(comma-separated or repeated; default all four, Megatron-Bridge's LoRA default; NeMo 1's names "
+         "attention_qkv, attention_dense, mlp_fc1, mlp_fc2 are accepted).")]
 CudaGraphModulesOpt = Annotated[Optional[list[str]], typer.Option(
     "--cuda-graph-modules", "--cuda-graph-scope", metavar="MODULES",
     help="Regions per-layer graphs capture: attn, mlp, moe, moe_router, moe_preprocess (comma-separated or repeated; "
@@ -66,7 +76,8 @@ FRAMEWORK_FLAGS = ("framework", "attention_backend", "tp_comm_overlap", "grad_re
                    "moe_token_dispatcher_type", "cuda_graph_impl", "cuda_graph_modules",
                    "overlap_moe_expert_parallel_comm", "overlap_grad_reduce", "overlap_param_gather",
                    "gradient_accumulation_fusion", "moe_permute_fusion", "cross_entropy_loss_fusion",
-                   "cross_entropy_fusion_impl", "fp8_recipe", "fp8_dot_product_attention")
+                   "cross_entropy_fusion_impl", "fp8_recipe", "fp8_dot_product_attention", "lora_dim",
+                   "lora_target_modules")
 
 
 def framework_options_of(values: dict) -> dict:
@@ -79,7 +90,8 @@ def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce
                       overlap_moe_expert_parallel_comm=None, overlap_grad_reduce=None,
                       overlap_param_gather=None, gradient_accumulation_fusion=None, moe_permute_fusion=None,
                       cross_entropy_loss_fusion=None, cross_entropy_fusion_impl=None, fp8_recipe=None,
-                      fp8_dot_product_attention=None) -> dict:
+                      fp8_dot_product_attention=None, lora_dim=None,
+                      lora_target_modules=None) -> dict:
     """The framework flags as `api.build_problem(framework=...)` takes them."""
     return {"framework": framework, "attention_backend": attention_backend, "tp_comm_overlap": tp_comm_overlap,
             "grad_reduce_in_fp32": None if grad_reduce_in_bf16 is None else not grad_reduce_in_bf16,
@@ -90,4 +102,5 @@ def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce
             "gradient_accumulation_fusion": gradient_accumulation_fusion, "moe_permute_fusion": moe_permute_fusion,
             "cross_entropy_loss_fusion": cross_entropy_loss_fusion,
             "cross_entropy_fusion_impl": cross_entropy_fusion_impl, "fp8_recipe": fp8_recipe,
-            "fp8_dot_product_attention": fp8_dot_product_attention}
+            "fp8_dot_product_attention": fp8_dot_product_attention, "lora_dim": lora_dim,
+            "lora_target_modules": lora_target_modules}

@@ -20,7 +20,7 @@ from costmodels.specs import SpecError
 from cli.options import (AttentionBackendOpt, CalibrationOpt, CudaGraphImplOpt, CudaGraphModulesOpt, DispatcherOpt,
                          EpOverlapOpt, Fp8ParamGatherOpt, FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt,
                          GradAccFusionOpt, GradReduceBf16Opt, JsonOpt, ModelOpt, MoePermuteFusionOpt,
-                         CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, Fp8RecipeOpt,
+                         CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, Fp8RecipeOpt,
                          OverlapGradReduceOpt, OverlapParamGatherOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
                          framework_options_of)
 
@@ -144,6 +144,8 @@ def verify(
     cross_entropy_fusion_impl: CrossEntropyImplOpt = None,
     fp8_recipe: Fp8RecipeOpt = None,
     fp8_dot_product_attention: Fp8AttentionOpt = None,
+    lora_dim: LoraDimOpt = None,
+    lora_target_modules: LoraModulesOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -166,7 +166,7 @@ def bucket_share(params, dp_size):
 
 def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_expert, layers,
                     lt: LayerTimes, stage_layers_s, H: dict, grad_bytes, e: EfficiencyParams, idle_s=0.0,
-                    grad_overlap=1.0, param_overlap=1.0, deepspeed_zero3=0.0, param_bytes=2.0):
+                    grad_overlap=1.0, param_overlap=1.0, deepspeed_zero3=0.0, param_bytes=2.0, frozen_params=0.0):
     """Exposed gradient / parameter traffic per step of the stage with most parameters.
 
     ZeRO 0: all-reduce of gradients, overlapped with the last micro-batch's backward. ZeRO 1
@@ -180,6 +180,9 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     group's bus bandwidth); DeepSpeed's stage 3 (`deepspeed_zero3`, 0/1) fetched each module's parameters
     with its own synchronous gathers and copies and reached only `zero3_bw_eff` of it, on NVLink as over
     InfiniBand (DeepSpeed issue #1174: ~21 GB/s per A100 inside one NVLink node, 2021).
+
+    params_dense / params_expert are the parameters that get gradients; with LoRA the adapters, and the frozen
+    base (`frozen_params`, which gets none) is gathered by ZeRO-3 / FSDP only (its layers need it whole).
 
     param_bytes: bytes per parameter the gathers move, the primary weights' (memory.primary_weight_bytes: bf16,
     fp32 without mixed precision, fp8 / NVFP4 with --fp8-param-gather).
@@ -226,7 +229,9 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     z1 = exposed(rs, win_b, grad_overlap, tail(rs_d, rs_e, grad_overlap)) \
         + exposed(ag, win_f, param_overlap, tail(ag_d, ag_e, param_overlap))
     z2 = m * exposed(rs, win_b, grad_overlap) + exposed(ag, win_f, param_overlap)
-    t_z3 = m * (2.0 * ag + rs) / jnp.where(deepspeed_zero3 > 0, e.zero3_bw_eff, 1.0)
+    ag_frozen = jnp.where(frozen_params > 0, C.all_gather_s(param_bytes * frozen_params, groups.dense, S.tp, H, link,
+                                                            lat), 0.0)
+    t_z3 = m * (2.0 * (ag + ag_frozen) + rs) / jnp.where(deepspeed_zero3 > 0, e.zero3_bw_eff, 1.0)
     # the window is the layers' work only: the embedding and output layer come before the first
     # gather and after the last reduce-scatter, and compute already hides TP/CP traffic
     z3 = exposed(t_z3, m * stage_layers_s, 1.0, 2.0 * t_z3 / (m * layers))

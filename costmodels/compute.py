@@ -15,6 +15,8 @@ Sources
   [GS]  Lepikhin et al. 2020 (GShard) / Megatron-Core MoE: tokens dispatched k times; EP shards
         experts, ETP shards each expert's FFN.
   [TE]  Transformer Engine fp8: inputs of every GEMM are cast (and transposed for wgrad).
+  [LoRA] Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", sec. 4.1: W0 frozen,
+        h = W0 x + B A x with A [r x k], B [d x r]; no gradients or optimizer states for W0.
   [cuDNN9] NVIDIA, "Accelerating Transformers with NVIDIA cuDNN 9" (2024): SDPA in bf16 and fp8 on H100 / H200.
   [BWU]  NVIDIA technical blog, "Making Softmax More Efficient with NVIDIA Blackwell Ultra" (2026): MUFU.EX2
         ~2x on GB300 over GB200, DeepSeek-V3 fp8 attention forward ~1.35x; "Inside NVIDIA Blackwell Ultra"
@@ -133,6 +135,11 @@ ATTN_EXP_SHARE_FP8 = 2.0 * (1.0 - 1.0 / 1.35)
 #: backward O and dO (DotProductAttention with fp8_dpa and not fp8_mha), each at lp_cast_bytes; the layer's
 #: backward elementwise work is costed as twice its forward, so the charge sits in the forward as a third
 FP8_ATTENTION_CASTS_PER_FWD = 1.0 / 3.0
+#: kernels one LoRA adapter launches per forward: its down (A) and up (B) GEMMs and the add of its output
+#: into the frozen linear's (Megatron-Bridge peft/lora.py LoRALinear: linear_output + adapter_output)
+LORA_KERNELS_PER_ADAPTER = 3.0
+#: HBM bytes per output element (in units of the activation dtype) of that add: read both, write one
+LORA_ADD_BYTES_PER_ELEM = 3.0
 #: keys per tile of the fused attention kernels: FlashAttention-2 picks key blocks of 64 or 128 by head
 #: dimension [FA, sec. 3.3], FlashAttention-3 128 [FA3]; a sliding window's first and last key blocks
 #: are computed whole and masked
@@ -250,6 +257,10 @@ class LayerWork(NamedTuple):
     remat_skip_dense: object  # forward work full recompute does not replay (an XLA remat: the MLP's last GEMM)
     remat_skip_moe: object
     host_moe_pre: object     # host time of an MoE layer's ops before its dispatcher waits for the token counts
+    lora_dense: object       # LoRA adapters of a dense layer (their GEMMs and adds), forward
+    lora_moe: object
+    frozen_wgrad_dense: object  # weight-gradient GEMMs a LoRA job skips (frozen base weights): one forward's worth
+    frozen_wgrad_moe: object
 
 
 def _gemm(S: Shapes, H: dict, J: dict, e: EfficiencyParams):
@@ -444,24 +455,64 @@ def moe_pre_sync_launches(S: Shapes, M: dict, J: dict):
     return n * (1.0 - J["cg_iteration"])
 
 
+def lora_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
+    """Forward time of a dense and of an MoE layer's LoRA adapters (0 without LoRA) [LoRA, sec. 4.1]: beside
+    each target linear a rank-r down GEMM (A) reads the linear's input and an up GEMM (B) writes its output
+    width, then the output is added into the linear's (thin GEMMs: memory-bound, gemm_s's roofline). They are
+    TP-parallel like their linear (Megatron-Bridge's ParallelLinearAdapter): a column-parallel linear's
+    (linear_qkv, linear_fc1) reads the full input and writes a sharded output, a row-parallel one's
+    (linear_proj, linear_fc2) reads a sharded input and writes the full width. Routed experts' adapters act
+    per local expert on the expert's tokens; MLA's projections count as one linear_qkv."""
+    gemm, T, tp, h, g, r = _gemm(S, H, J, e), S.tokens, S.tp, M["hidden"], M["gated"], J["lora_dim"]
+    bw = H["hbm_bw"] * e.hbm_eff
+
+    def adapter(tokens, k, n):
+        return gemm(tokens, r, k) + gemm(tokens, n, r) + LORA_ADD_BYTES_PER_ELEM * J["act_bytes"] * tokens * n / bw
+
+    def mlp(tokens, f, shard):
+        return (J["lora_fc1"] * adapter(tokens, h, f * (1.0 + g) / shard)
+                + J["lora_fc2"] * adapter(tokens, f / shard, h)) * (f > 0)
+
+    attn = J["lora_qkv"] * adapter(T, h, M["q_up_n"] / tp) + J["lora_proj"] * adapter(T, M["attn_out_k"] / tp, h)
+    n_local = jnp.maximum(M["experts"], 1.0) / S.ep
+    moe = n_local * mlp(S.expert_tokens, M["expert_ffn"], S.etp) + mlp(T, M["shared_ffn"], tp)
+    return attn + mlp(T, M["ffn"], tp), attn + moe * S.is_moe
+
+
+def lora_kernels(S: Shapes, M: dict, J: dict):
+    """Kernels the adapters of a dense and of an MoE layer launch per forward (a grouped GEMM serves all
+    local experts' adapters, as TE's GroupedLinear serves their linears)."""
+    attn = J["lora_qkv"] + J["lora_proj"]
+    mlp = J["lora_fc1"] + J["lora_fc2"]
+    shared = (M["shared_ffn"] > 0) * mlp
+    return LORA_KERNELS_PER_ADAPTER * (attn + mlp), LORA_KERNELS_PER_ADAPTER * (attn + mlp + shared)
+
+
 def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> LayerWork:
     elem_attn, elem_dense, elem_moe = elementwise_s(S, M, H, J, e)
     mlp_moe, mlp_moe_shared = moe_mlp_s(S, M, H, J, e)
     n_dense, n_moe = layer_kernels(S, M, J)
+    lora_k_dense, lora_k_moe = lora_kernels(S, M, J)
+    n_dense, n_moe = n_dense + lora_k_dense, n_moe + lora_k_moe
     host_dense, host_moe = host_kernels(S, M, J, n_dense, n_moe)
+    lora_dense, lora_moe = lora_s(S, M, H, J, e)
+    attn_proj = attention_projections_s(S, M, H, J, e)
+    mlp_dense = dense_mlp_s(S, M, H, J, e)
     amax_dense, amax_moe = fp8_amax_pass_kernels(S, M, J)
     down_dense, down_moe = mlp_down_s(S, M, H, J, e)
     core_fwd, core_bwd = attention_core_fwd_bwd_s(S, M, H, J, e)
     return LayerWork(
-        attn_proj=attention_projections_s(S, M, H, J, e), attn_core=core_fwd, attn_core_bwd=core_bwd,
-        mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=dense_mlp_s(S, M, H, J, e),
+        attn_proj=attn_proj, attn_core=core_fwd, attn_core_bwd=core_bwd,
+        mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=mlp_dense,
         mlp_moe=mlp_moe, mlp_moe_shared=mlp_moe_shared, elem_attn=elem_attn, rope=rope_unfused_s(S, M, H, J, e),
         elem_dense=elem_dense, elem_moe=elem_moe,
         kernels_dense=(n_dense + amax_dense) * e.kernel_overhead_s,
         kernels_moe=(n_moe + amax_moe) * e.kernel_overhead_s,
         host_dense=host_dense * e.host_op_s, host_moe=host_moe * e.host_op_s,
         remat_skip_dense=J["compiled_step"] * down_dense, remat_skip_moe=J["compiled_step"] * down_moe,
-        host_moe_pre=moe_pre_sync_launches(S, M, J) * e.host_op_s)
+        host_moe_pre=moe_pre_sync_launches(S, M, J) * e.host_op_s,
+        lora_dense=lora_dense, lora_moe=lora_moe,
+        frozen_wgrad_dense=J["lora"] * (attn_proj + mlp_dense), frozen_wgrad_moe=J["lora"] * (attn_proj + mlp_moe))
 
 
 class LayerTimes(NamedTuple):
@@ -474,11 +525,14 @@ class LayerTimes(NamedTuple):
 
 def layer_times(w: LayerWork, e: EfficiencyParams) -> LayerTimes:
     """Backward: two GEMMs (dgrad, wgrad) per forward GEMM and twice the memory-bound work; the core
-    attention's own backward (attention_core_fwd_bwd_s); every kernel has a backward counterpart pair."""
-    fwd_dense = w.attn_proj + w.attn_core + w.mlp_dense + w.elem_attn + w.rope + w.elem_dense + w.kernels_dense
-    fwd_moe = w.attn_proj + w.attn_core + w.mlp_moe + w.elem_attn + w.rope + w.elem_moe + w.kernels_moe
-    bwd_dense = 2.0 * (fwd_dense - w.attn_core - w.kernels_dense) + w.attn_core_bwd + 2.0 * w.kernels_dense
-    bwd_moe = 2.0 * (fwd_moe - w.attn_core - w.kernels_moe) + w.attn_core_bwd + 2.0 * w.kernels_moe
+    attention's own backward (attention_core_fwd_bwd_s); every kernel has a backward counterpart pair.
+    LoRA's frozen linears compute only the input gradient (dgrad), their adapters both."""
+    fwd_dense = (w.attn_proj + w.attn_core + w.mlp_dense + w.elem_attn + w.rope + w.elem_dense + w.kernels_dense
+                 + w.lora_dense)
+    fwd_moe = w.attn_proj + w.attn_core + w.mlp_moe + w.elem_attn + w.rope + w.elem_moe + w.kernels_moe + w.lora_moe
+    bwd_dense = (2.0 * (fwd_dense - w.attn_core - w.kernels_dense) + w.attn_core_bwd + 2.0 * w.kernels_dense
+                 - w.frozen_wgrad_dense)
+    bwd_moe = 2.0 * (fwd_moe - w.attn_core - w.kernels_moe) + w.attn_core_bwd + 2.0 * w.kernels_moe - w.frozen_wgrad_moe
     return LayerTimes(fwd_dense, fwd_moe, bwd_dense, bwd_moe)
 
 
@@ -517,17 +571,21 @@ LOSS_BYTES_PER_LOGIT = {"unfused": 52.0, "native": 28.0, "te": 10.0, "xla": 14.0
 #: bytes per token per hidden unit of the embedding: bf16 lookup (2) + fp32 scatter-add of its
 #: gradient (4)
 EMBEDDING_BYTES_PER_H = 2.0 + 4.0
+#: the gradient scatter's share, which a frozen embedding (LoRA) does not run
+EMBEDDING_GRAD_BYTES_PER_H = 4.0
 
 
 class HeadWork(NamedTuple):
     logits_fwd: object       # output-layer GEMM forward
+    logits_fwd_bwd: object   # that GEMM forward and backward: 3 x (2 x when frozen: no weight gradient)
     loss: object             # softmax cross-entropy over the vocabulary
-    embedding: object        # lookup forward + gradient scatter
+    embedding: object        # lookup forward + gradient scatter (frozen: the lookup only)
 
 
 def head_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> HeadWork:
     gemm, T, tp = _gemm(S, H, J, e), S.tokens, S.tp
     bw = H["hbm_bw"] * e.hbm_eff
-    return HeadWork(logits_fwd=gemm(T, M["vocab"] / tp, M["hidden"]),
+    logits = gemm(T, M["vocab"] / tp, M["hidden"])
+    return HeadWork(logits_fwd=logits, logits_fwd_bwd=(3.0 - J["lora"]) * logits,
                     loss=T * M["vocab"] / tp * J["loss_bytes"] / bw,
-                    embedding=T * M["hidden"] * EMBEDDING_BYTES_PER_H / bw)
+                    embedding=T * M["hidden"] * (EMBEDDING_BYTES_PER_H - J["lora"] * EMBEDDING_GRAD_BYTES_PER_H) / bw)

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import compute, memory
 from .specs import (ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, Fp8Recipe, Framework, FrameworkSpec,
-                    JobSpec, ModelSpec, PipelineSchedule, Precision)
+                    JobSpec, LoraModule, ModelSpec, PipelineSchedule, Precision)
 
 
 def encode_model(m: ModelSpec) -> dict:
@@ -115,6 +115,13 @@ def cuda_graph_capture(fw: FrameworkSpec) -> dict:
     return {k: float(v) for k, v in vals.items()}
 
 
+def lora_targets(fw: FrameworkSpec) -> dict:
+    """0/1 per linear with a LoRA adapter (FrameworkSpec.lora_target_modules; all 0 without LoRA)."""
+    on = fw.lora_dim > 0
+    mods = set(fw.lora_target_modules)
+    return {f"lora_{m.value.removeprefix('linear_')}": float(on and m in mods) for m in LoraModule}
+
+
 def rope_runs_unfused(m: ModelSpec) -> bool:
     """Megatron's fused RoPE takes position_embedding "rope" only; YaRN as its own type runs as PyTorch ops
     (an XLA-compiled step fuses them anyway: compute.unfused_rope)."""
@@ -180,6 +187,9 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         # TE's fused cross entropy writes the gradient into the bf16 logits: no fp32 copy is kept
         logits_fp32_copy=float(loss != "te"),
         flex_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.FLEX),
+        # LoRA fine-tuning (FrameworkSpec.lora_dim): 1 when the base weights are frozen, and the adapters' rank
+        lora=float(j.framework.lora_dim > 0), lora_dim=float(j.framework.lora_dim),
+        **lora_targets(j.framework),
         allgather_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.ALLGATHER),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
         **cuda_graph_capture(j.framework),     # 0/1 per captured region (costmodels/compute.py host_kernels)

@@ -6,6 +6,8 @@ every GEMM (GQA, gated MLPs, top-k experts, shared experts and the router counte
 causal attention 2 * (s/2) * a * (d_qk + d_v) per token and layer forward (a sliding-window layer: the
 mask's w(w+1)/2 + (s-w)w visible pairs per sequence, as Megatron-Bridge's GPT-OSS FLOPs count them), the
 output layer 2hV; backward = 2x forward. Full recomputation replays the layers' forward, selective the --recompute-modules it names.
+LoRA (frozen base weights) skips the weight-gradient half of every GEMM's backward: 4 FLOPs per parameter per
+token, as NeMo's performance tables count LoRA runs (the adapters' FLOPs, well under 1 %, are left out).
 """
 from __future__ import annotations
 
@@ -48,7 +50,10 @@ def step_flops(S: Shapes, M: dict, J: dict, recomputed_share):
     fm, h_ = S.frac_moe, M["hidden"]
     per_layer = (1.0 - fm) * lf.dense + fm * lf.moe
     tokens = J["global_batch"] * J["seq_len"]
-    model = 3.0 * (M["layers"] * per_layer + 2.0 * M["hidden"] * M["vocab"]) * tokens
+    core = lf.core_attention
+    gemm_passes = 3.0 - J["lora"]                  # forward, input gradient, weight gradient (frozen: none)
+    model = (M["layers"] * (gemm_passes * (per_layer - core) + 3.0 * core)
+             + gemm_passes * 2.0 * M["hidden"] * M["vocab"]) * tokens
     r = S.rec_mod
     shared = 2.0 * M["shared_ffn"] * h_ * (2.0 + M["gated"])
     selective = (r.core_attn * lf.core_attention + (1.0 - fm) * r.mlp * 2.0 * M["dense_mlp_params"]

@@ -54,6 +54,27 @@ def stage_params(S: Shapes, M: dict, n, holds_ends) -> StageParams:
                        n * fm * M["experts"] * M["expert_params"] / (S.ep * S.etp))
 
 
+def lora_params(S: Shapes, M: dict, J: dict, n) -> StageParams:
+    """A rank's LoRA adapter parameters: r x (k + n) per target linear [LoRA], TP-sharded like the linear
+    (compute.lora_s), routed experts' per expert like theirs."""
+    h, g, r, fm = M["hidden"], M["gated"], J["lora_dim"], S.frac_moe
+
+    def mlp(f):
+        return (J["lora_fc1"] * (h + f * (1.0 + g)) + J["lora_fc2"] * (f + h)) * (f > 0)
+
+    attn = J["lora_qkv"] * (h + M["q_up_n"]) + J["lora_proj"] * (M["attn_out_k"] + h)
+    layer = attn + (1.0 - fm) * mlp(M["ffn"]) + fm * mlp(M["shared_ffn"])
+    return StageParams(n * r * layer / S.tp, n * fm * M["experts"] * r * mlp(M["expert_ffn"]) / (S.ep * S.etp))
+
+
+def trainable_params(S: Shapes, M: dict, J: dict, n, params: StageParams) -> StageParams:
+    """The parameters that get gradients, optimizer states and gradient reduction: all of them, or with LoRA
+    only the adapters (the base weights, embedding and output layer frozen)."""
+    adapters = lora_params(S, M, J, n)
+    on = J["lora"]
+    return StageParams(jnp.where(on > 0, adapters.dense, params.dense), jnp.where(on > 0, adapters.expert, params.expert))
+
+
 def sharded(x: StageParams, groups: DataParallelGroups, on):
     """Parameters' bytes-per-parameter share when a ZeRO stage shards them over data parallelism."""
     return (x.dense / jnp.where(on > 0, groups.dense, 1.0) + x.expert / jnp.where(on > 0, groups.expert, 1.0))
@@ -180,7 +201,11 @@ def tp_buffer_bytes(S: Shapes, M: dict, J: dict):
 
 def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataParallelGroups,
                 n, n_recomputed, params: StageParams, rank, holds_logits, acts: ActivationBytes) -> Memory:
-    """Memory of pipeline rank `rank` holding n layers (n_recomputed of them fully recomputed)."""
+    """Memory of pipeline rank `rank` holding n layers (n_recomputed of them fully recomputed). With LoRA the
+    frozen base keeps its weights only; gradients and optimizer states are the adapters' (trainable_params),
+    whose weights come on top."""
+    trained = trainable_params(S, M, J, n, params)
+    adapters = J["lora"] * (trained.dense + trained.expert)
     z = S.zero
     z3 = (z == 3).astype(jnp.float32)
     wbytes = J["primary_weight_bytes"] + J["low_precision"] * LOW_PRECISION_WEIGHT_COPY_BYTES
@@ -189,13 +214,14 @@ def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataPa
     largest_matrix = jnp.maximum(jnp.maximum(M["ffn"], M["q_up_n"]) * h, M["expert_ffn"] * h * (1.0 + g)) / S.tp
     per_layer = jnp.where(S.rec_sel > 0, acts.selective, acts.none)
     act_stage = n_recomputed * acts.full + (n - n_recomputed) * per_layer
-    weights = wbytes * sharded(params, groups, z >= 3) + z3 * 2.0 * J["weight_bytes"] * largest_matrix
-    gradients = J["grad_bytes"] * sharded(params, groups, z >= 2)
+    weights = (wbytes * sharded(params, groups, z >= 3) + z3 * 2.0 * J["weight_bytes"] * largest_matrix
+               + J["weight_bytes"] * adapters)
+    gradients = J["grad_bytes"] * sharded(trained, groups, z >= 2)
     # a backward pass's own gradient buffer (FrameworkSpec.microbatch_grad_buffer): beside an accumulator
     # (several micro-batches without a pipeline) or a ZeRO-2/3 shard; else it is the gradient itself
     own_buffer = ((S.micro_batches > 1) & (S.pp == 1)) | (z >= 2)
-    gradients = gradients + J["mb_grad_buffer"] * own_buffer * J["weight_bytes"] * (params.dense + params.expert)
-    optimizer = J["optimizer_bytes"] * sharded(params, groups, z >= 1)
+    gradients = gradients + J["mb_grad_buffer"] * own_buffer * J["weight_bytes"] * (trained.dense + trained.expert)
+    optimizer = J["optimizer_bytes"] * sharded(trained, groups, z >= 1)
     in_flight = in_flight_micro_batches(S, rank, J["gpipe"])
     # the last rank keeps the logits of each micro-batch in flight: one with 1F1B, all m with GPipe
     logits_in_flight = jnp.where((J["gpipe"] > 0) & (S.pp > 1), in_flight, 1.0)

@@ -38,7 +38,7 @@ def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head, sync):
     fb_layer = (1.0 - fm) * (lt.fwd_dense + lt.bwd_dense) + fm * (lt.fwd_moe + lt.bwd_moe)
     full_layer = (1.0 - fm) * (lt.fwd_dense - w.remat_skip_dense) + fm * (lt.fwd_moe - w.remat_skip_moe)
     head_tp = 2.0 * lc.tp_pair                           # the output layer's TP collectives
-    head_compute = 3.0 * hw_head.logits_fwd + hw_head.loss
+    head_compute = hw_head.logits_fwd_bwd + hw_head.loss
     return dict(
         compute=n * fb_layer + embed * hw_head.embedding + head * head_compute,
         ends=embed * hw_head.embedding + head * (head_compute + head_tp),
@@ -136,8 +136,13 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     params = [memory.stage_params(Sx, M, n, ends) for Sx, n, ends in ((S1, st.first, 1.0), (S, st.mid, 0.0),
                                                                       (S, st.last, 1.0))]
     biggest = pipeline.largest(*(p.dense + p.expert for p in params), st.has_mid)
-    p_dense = biggest.pick(*(p.dense for p in params))
-    p_expert = biggest.pick(*(p.expert for p in params))
+    # what gets gradients (with LoRA the adapters only; the base is frozen: memory.trainable_params)
+    trained = [memory.trainable_params(Sx, M, J, n, p) for Sx, n, p in zip((S1, S, S), (st.first, st.mid, st.last),
+                                                                          params)]
+    p_dense = biggest.pick(*(p.dense for p in trained))
+    p_expert = biggest.pick(*(p.expert for p in trained))
+    # FSDP also gathers the frozen weights
+    frozen = J["lora"] * (biggest.pick(*(p.dense for p in params)) + biggest.pick(*(p.expert for p in params)))
     groups = comm.dp_groups(S)
     layers_s = slowest.pick(t_first - first["ends"], t_mid, t_last - last["ends"])
     # the GPU's idle time in a host-bound micro-batch, and the time its passes wait on their own exposed
@@ -152,7 +157,8 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
                                    layers_s, H, J["grad_bytes"], e, idle_s=idle + waits,
                                    grad_overlap=J["dp_grad_overlap"] * dp_hides,
                                    param_overlap=J["dp_param_overlap"] * dp_hides,
-                                   deepspeed_zero3=J["deepspeed"], param_bytes=J["primary_weight_bytes"])
+                                   deepspeed_zero3=J["deepspeed"], param_bytes=J["primary_weight_bytes"],
+                                   frozen_params=frozen)
     # the optimizer step is memory bound: bytes moved per local parameter (sharded with ZeRO >= 1)
     p_opt = memory.sharded(memory.StageParams(p_dense, p_expert), groups, S.zero >= 1)
     t_opt = p_opt * memory.OPTIMIZER_STEP_BYTES / (H["hbm_bw"] * e.hbm_eff)

@@ -521,6 +521,36 @@ class CudaGraphModule(enum.Enum):
         return _parse_enum(cls, text, field_name)
 
 
+class LoraModule(enum.Enum):
+    """Megatron-Bridge's LoRA target_modules (peft/lora.py; its default is all four): the linears whose
+    frozen weight gets a rank-`lora_dim` adapter. NeMo 1's names (attention_qkv, attention_dense, mlp_fc1,
+    mlp_fc2; its default was attention_qkv alone) are read as the same modules."""
+    LINEAR_QKV = "linear_qkv"
+    LINEAR_PROJ = "linear_proj"
+    LINEAR_FC1 = "linear_fc1"
+    LINEAR_FC2 = "linear_fc2"
+
+    @classmethod
+    def parse(cls, text: str, field_name: str = "lora_target_modules") -> "LoraModule":
+        return _parse_enum(cls, _NEMO1_LORA_NAMES.get(str(text).strip().lower(), text), field_name)
+
+
+_NEMO1_LORA_NAMES = {"attention_qkv": "linear_qkv", "attention_dense": "linear_proj", "mlp_fc1": "linear_fc1",
+                     "mlp_fc2": "linear_fc2"}
+#: Megatron-Bridge's default LoRA targets
+DEFAULT_LORA_MODULES = tuple(LoraModule)
+
+
+def parse_lora_modules(values) -> tuple:
+    """--lora-target-modules values (each may hold several, split at commas or spaces) -> modules in
+    canonical order (none given: Megatron-Bridge's default, all four)."""
+    names = [n for v in (values or ()) for n in re.split(r"[,\s]+", str(v).strip()) if n]
+    if not names:
+        return DEFAULT_LORA_MODULES
+    mods = {LoraModule.parse(n) for n in names}
+    return tuple(m for m in LoraModule if m in mods)
+
+
 def parse_cuda_graph_modules(values, impl: "CudaGraphImpl") -> tuple:
     """--cuda-graph-modules / the deprecated --cuda-graph-scope values (each may hold several, split at
     commas or spaces) -> (modules in canonical order, impl). Megatron's deprecated spellings
@@ -548,6 +578,10 @@ def _parse_enum(cls, text, field_name: str):
         if member.value == t or member.value == t.replace("-", "_"):
             return member
     raise SpecError(field_name, f"unknown value {text!r}; choose one of {', '.join(m.value for m in cls)}")
+
+
+#: the largest LoRA rank accepted (adapters wider than this are no longer low-rank for any model here)
+MAX_LORA_DIM = 65536
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -614,6 +648,12 @@ class FrameworkSpec:
     # Megatron-Bridge sets mixed_precision.fp8_dot_product_attention): Transformer Engine runs the attention
     # core in fp8 on cuDNN's fused kernel (Q, K, V, dO quantized; compute.FP8_ATTENTION_SPEEDUP)
     fp8_dot_product_attention: bool = False
+    # Megatron-Bridge's PEFT LoRA(dim=N) (peft/lora.py; NeMo 2's llm.peft.LoRA, the same default dim 32): low-rank
+    # adapters of rank N on linear_qkv, linear_proj, linear_fc1 and linear_fc2 (every attention and MLP linear,
+    # the experts' included) train, the base weights, embedding and output layer stay frozen: no weight-
+    # gradient GEMMs, main gradients, optimizer states or gradient reduction for them. 0 = every weight trains
+    lora_dim: int = 0
+    lora_target_modules: tuple = DEFAULT_LORA_MODULES
 
     def __post_init__(self):
         cf = self.moe_expert_capacity_factor
@@ -626,6 +666,16 @@ class FrameworkSpec:
                   "cross_entropy_loss_fusion", "fp8_dot_product_attention"):
             if not isinstance(getattr(self, f), bool):
                 raise SpecError(f, f"must be true or false, got {getattr(self, f)!r}")
+        r = self.lora_dim
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= MAX_LORA_DIM:
+            raise SpecError("lora_dim", f"must be an integer in 0..{MAX_LORA_DIM} (0 = full training), got {r!r}")
+        mods = self.lora_target_modules
+        if not isinstance(mods, tuple) or not mods or not all(isinstance(m, LoraModule) for m in mods) \
+                or len(set(mods)) != len(mods):
+            raise SpecError("lora_target_modules", f"must be a non-empty tuple of distinct LoraModule, got {mods!r}")
+        if r and self.framework is not Framework.MEGATRON:
+            raise SpecError("lora_dim", f"LoRA is Megatron-Bridge's PEFT (a Megatron-Core model); {self.framework.value} "
+                            "has none here: use --framework megatron")
         if not isinstance(self.cross_entropy_fusion_impl, CrossEntropyImpl):
             raise SpecError("cross_entropy_fusion_impl",
                             f"must be a CrossEntropyImpl, got {self.cross_entropy_fusion_impl!r}")

@@ -338,6 +338,12 @@ RULES: tuple[Rule, ...] = (
          lambda a, p: f"zero={_v(a,'zero')} does not exist in {p.job.framework.framework.value} (stages "
                       f"{', '.join(map(str, zero_stages(p.job)))}: 0 DDP, 1 distributed optimizer, "
                       f"{'2 ZeRO-2, ' if 2 in zero_stages(p.job) else ''}3 FSDP)"),
+    # Megatron-Bridge validates LoRA / PEFT with DDP and the distributed optimizer; Megatron-FSDP with LoRA is
+    # "code-supported first, not benchmark-proven" (NVIDIA-NeMo/Megatron-Bridge issue #4246, 2026): not recommended
+    Rule("lora_no_fsdp", lambda a, p: (p.job.framework.lora_dim == 0) | (a["zero"] != 3),
+         lambda a, p: f"zero=3 with LoRA (--lora-dim {p.job.framework.lora_dim}): Megatron-Bridge has not validated "
+                      "Megatron-FSDP with PEFT (its issue #4246); use zero=1 (the adapters' optimizer states are "
+                      "small anyway)"),
     # arguments.py: "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp"
     Rule("param_gather_needs_sharding", lambda a, p: (not p.job.framework.fp8_param_gather)
          | (a["zero"] == 1) | (a["zero"] == 3),

@@ -80,7 +80,7 @@ def test_a_larger_vocabulary_never_costs_less(vocab, extra):
     H, e = {"hbm_bw": 2.0e12}, EfficiencyParams()
     for kind, b in compute.LOSS_BYTES_PER_LOGIT.items():
         J = {"loss_bytes": np.float32(b), "peak_gemm": 312e12, "matmul_frac": 0.86, "gemm_bytes": 2.0,
-             "low_precision": 0.0}
+             "low_precision": 0.0, "lora": 0.0}
         small = compute.head_work(S, {"vocab": float(vocab), "hidden": 1024.0}, H, J, e)
         large = compute.head_work(S, {"vocab": float(vocab + extra), "hidden": 1024.0}, H, J, e)
         assert float(large.loss) >= float(small.loss) and float(large.logits_fwd) >= float(small.logits_fwd)

@@ -78,8 +78,16 @@ def test_vtrain_runs_reduce_fp16_gradients_once_after_the_backward():
 
 
 def test_rows_without_an_entry_are_untouched():
-    row = ROWS["nemo-24.07-LLAMA2-7B-8g-pre"]
+    row = ROWS["narayanan21-t2-zero3-175B-384gpu"]
     assert with_launch_settings(row) == (row, {})
+
+
+def test_nemo_2407_fine_tuning_ran_nemo1s_lora_targets_and_changes_nothing_else():
+    # NeMo 1's megatron_gpt_finetuning_config.yaml: lora_tuning.target_modules ['attention_qkv'] (NVIDIA/NeMo@0078023)
+    row = ROWS["nemo-24.07-LLAMA2-7B-8g-pre"]
+    out, entry = with_launch_settings(row)
+    assert out == row and entry["framework"] == {"lora_target_modules": ["attention_qkv"]}
+    assert case_from_row(row).problem.job.framework.lora_dim == 0          # a pretraining row stays full training
 
 
 def test_nemotron_4_has_the_untied_embeddings_of_its_paper():
