@@ -23,7 +23,7 @@ from costmodels.params import LITERATURE_PRIOR, EfficiencyParams
 
 from .calibrate import DEFAULT_FIT, build_cases, calibrate, parameter_report, predict_steps
 from .datasets import gpu_generation
-from .validate import source_of
+from .validate import is_lora, source_of
 
 #: subsets reported separately
 SUBSETS = ("public-dense", "public-moe", "small-scale")
@@ -134,10 +134,11 @@ _PLAN = ("tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch", "recompute_key", "s
 
 def job_key(row: dict) -> tuple:
     """Runs of the same job: same model (its full name, so variants such as token-dropping are
-    apart), GPU type and count, global batch, sequence length and precision."""
+    apart), GPU type and count, global batch, sequence length and precision, and what trains (a LoRA
+    run is another job than full training of the same shape)."""
     m, hw, p = row.get("model") or {}, row.get("hardware") or {}, row.get("plan") or {}
     return (tuple(m.get(k) for k in _JOB_MODEL), hw.get("gpu_key"), hw.get("num_gpus"), p.get("global_batch"),
-            m.get("seq_len"), p.get("precision_key"))
+            m.get("seq_len"), p.get("precision_key"), is_lora(row))
 
 
 def plan_key(row: dict) -> tuple:

@@ -339,6 +339,11 @@ _LORA = re.compile(r"\blora\b", re.IGNORECASE)
 LORA_DIM_DEFAULT = 32
 
 
+def is_lora(row: dict) -> bool:
+    """A LoRA fine-tuning run (its id or notes say so): the base weights frozen, adapters trained."""
+    return bool(_LORA.search(f"{row.get('id', '')} {row.get('notes', '')}"))
+
+
 def with_launch_settings(row: dict) -> tuple[dict, dict]:
     """The row with the plan (and model) values its published launch script or paper gives where the row
     says null (autotune/data/launch_settings.json: its own entry, else its source's), and that entry (empty
@@ -364,7 +369,7 @@ def case_from_row(row: dict) -> RowCase:
             raise SpecError(block, f"must be an object of fields (the validation README's row schema), got "
                             f"{type(row[block]).__name__} {str(row[block])[:40]!r}")
     hw, plan, m = row.get("hardware") or {}, row.get("plan") or {}, row.get("model") or {}
-    lora = bool(_LORA.search(f"{row.get('id', '')} {row.get('notes', '')}"))
+    lora = is_lora(row)
     gpu_key = hw.get("gpu_key")
     if gpu_key not in GPU_PRESETS:
         raise SpecError("hardware.gpu_key", f"unknown GPU {gpu_key!r}")

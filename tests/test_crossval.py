@@ -45,6 +45,8 @@ def test_repeated_measurements_of_one_plan_merge_and_small_jobs_drop():
     assert job["measured_best"]["ids"] == ["b"] and job["regret_pct"] == pytest.approx(100 * (2.0 / 1.5 - 1))
     other = _run("x", (1, 1), 1.0, gpus=16)[0]
     assert job_key(other.row) != job_key(a1[0].row)
+    lora = _run("x-LoRA", (1, 1), 1.0)[0]          # fine-tuning adapters is another job than full training
+    assert job_key(lora.row) != job_key(a1[0].row)
 
 
 def test_a_perfect_predictor_ranks_every_small_scale_job_right():
