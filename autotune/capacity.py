@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from costmodels.specs import SpecError
+from costmodels.specs import SpecError, check_size
 
 #: Per-GPU mean time between job-interrupting failures. Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of
 #: Models", sec. 3.3.4): 419 unexpected interruptions in a 54-day snapshot of pre-training on 16,384 H100s
@@ -59,6 +59,9 @@ OBJECTIVES = ("cost", "energy")
 #: GPU counts per octave of the grid: n, 1.25n, 1.5n, 1.75n for n a power-of-two number of nodes
 GRID_STEPS = (1.0, 1.25, 1.5, 1.75)
 DEFAULT_MAX_GPUS = 32768
+#: The most tokens a capacity plan takes: 10^18, ~10^4 times the largest published pre-training runs (a few
+#: 10^13 tokens); above it the figures are day counts hundreds of digits long, not a plan.
+MAX_TOKENS = 1e18
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +100,8 @@ def parse_per_gpu(text: str | None, field: str, gpus: list[str]) -> dict:
         name = name.strip().lower()
         if name != "*" and name not in gpus:
             raise SpecError(field, f"{name!r} is not one of the GPU types asked for ({', '.join(gpus)})")
+        if name in out:
+            raise SpecError(field, f"{'the bare value' if name == '*' else repr(name)} is given twice")
         out[name] = number
     if "*" in out:
         star = out.pop("*")
@@ -135,6 +140,13 @@ class FailureModel:
                 raise SpecError(flag, f"must be a positive number, got {value!r}")
         if not (self.restart_s >= 0 and math.isfinite(self.restart_s)):
             raise SpecError("restart_s", f"must be a number >= 0, got {self.restart_s!r}")
+        mtbf_s = self.gpu_mtbf_hours * 3600.0        # the job MTBF of one GPU, the longest any job has
+        if not goodput(self.checkpoint_s, self.restart_s, mtbf_s) > 0:
+            culprit = ("mtbf_hours" if mtbf_s < DEFAULT_CHECKPOINT_S + DEFAULT_RESTART_S else
+                       "checkpoint_s" if self.checkpoint_s >= self.restart_s else "restart_s")
+            raise SpecError(culprit, f"a failure every {self.gpu_mtbf_hours:g} h per GPU leaves no time for a "
+                            f"{self.checkpoint_s:g} s checkpoint and a {self.restart_s:g} s restart: even on one "
+                            f"GPU no training would finish (goodput 0)")
 
 
 def training_figures(gpus, step_time_s, *, tokens: float, tokens_per_step: float, failures: FailureModel,
@@ -199,14 +211,20 @@ class CapacityRequest:
     def __post_init__(self):
         if not (self.tokens > 0 and math.isfinite(self.tokens)):
             raise SpecError("tokens", f"must be a positive number of tokens, got {self.tokens!r}")
+        if self.tokens > MAX_TOKENS:
+            raise SpecError("tokens", f"{self.tokens:g} is larger than the supported maximum {MAX_TOKENS:g}")
         if not self.gpus:
             raise SpecError("gpu", "give at least one GPU type (--gpu h100 --gpu b200 ...)")
+        twice = sorted({g for g in self.gpus if self.gpus.count(g) > 1})
+        if twice:
+            raise SpecError("gpu", f"{', '.join(twice)} given twice")
         if self.objective not in OBJECTIVES:
             raise SpecError("objective", f"unknown objective {self.objective!r}; choose cost or energy")
         if not self.min_gpus >= 1:
             raise SpecError("min_gpus", f"must be a positive number of GPUs, got {self.min_gpus!r}")
         if not self.min_gpus <= self.max_gpus:
             raise SpecError("max_gpus", f"need 1 <= min_gpus ({self.min_gpus}) <= max_gpus ({self.max_gpus})")
+        check_size("gpus", self.max_gpus, "max_gpus")
 
 
 def _rank_key(objective: str, row: dict) -> tuple:

@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from cli.common import (EXIT_NOTHING_FITS, EXIT_OK, check_problem_options, error_line, print_json, print_table,
-                        stdout_console, thousands)
+from cli.common import (EXIT_NOTHING_FITS, EXIT_OK, check_distinct, check_problem_options, error_line, print_json,
+                        print_table, stdout_console, thousands)
 from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt,  # noqa: E402
                          IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
@@ -241,6 +241,8 @@ def whatif(
 
     check_problem_options(memory_limit_gb=memory_limit_gb, intra_node_bw=intra_node_bw,
                           inter_node_bw=list(inter_node_bw or []))
+    check_distinct("gpu", gpu)
+    check_distinct("inter_node_bw_gbps", [float(bw) for bw in inter_node_bw or []])
     calibrated_gpu = None
     if calibration:
         from autotune.measurements import read_calibration

@@ -66,8 +66,8 @@ def capacity(
     """GPUs, days, cost and energy to train N tokens: per GPU type the count that meets the deadline at least cost."""
     from autotune import capacity as cap
     names = [g.strip().lower() for g in gpu]
-    if plot and not os.access(os.path.dirname(os.path.abspath(plot)) or ".", os.W_OK):
-        raise SpecError("plot", f"cannot write {plot}: its folder is not writable")
+    if plot:
+        _check_plot(plot, [model, calibration])
     req = cap.CapacityRequest(
         model=model, tokens=tokens, gpus=tuple(names),
         deadline_s=None if deadline is None else cap.parse_duration_s(deadline),
@@ -89,8 +89,11 @@ def capacity(
             status.stop()
     if plot:
         from autotune.figures import capacity_page
-        with open(plot, "w", encoding="utf-8") as fh:
-            fh.write(capacity_page(report))
+        try:
+            with open(plot, "w", encoding="utf-8") as fh:
+                fh.write(capacity_page(report))
+        except OSError as exc:
+            raise SpecError("plot", f"cannot write {plot}: {exc.strerror or exc}") from None
         report["plot"] = plot
     code = EXIT_OK if report["best_gpu"] else EXIT_NOTHING_FITS
     if as_json:
@@ -101,6 +104,19 @@ def capacity(
         why = "; ".join(report["advice"]) or "no GPU count has a plan that fits"
         sys.stderr.write(f"error: deadline: nothing meets it. {' '.join(why.split())}\n")
     return code
+
+
+def _check_plot(plot: str, inputs: list) -> None:
+    """--plot names a file that can be written and is none of the command's input files (checked before the
+    search, which takes seconds)."""
+    folder = os.path.dirname(os.path.abspath(plot))
+    if os.path.isdir(plot):
+        raise SpecError("plot", f"cannot write {plot}: it is a folder; give a file name such as capacity.html")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise SpecError("plot", f"cannot write {plot}: its folder {folder} does not exist or is not writable")
+    for path in inputs:
+        if path and os.path.exists(plot) and os.path.isfile(path) and os.path.samefile(plot, path):
+            raise SpecError("plot", f"{plot} is an input of this command; the plot would overwrite it")
 
 
 def _money(x) -> str:

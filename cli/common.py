@@ -167,6 +167,14 @@ def check_memory_limit(memory_limit_gb: Optional[float]) -> None:
     check_positive("memory_limit_gb", memory_limit_gb, "GB", maximum=1e6)
 
 
+def check_distinct(field: str, values) -> None:
+    """A repeated option must not repeat a value (`--gpu h100 --gpu h100` would print the same row twice)."""
+    seen = [str(v).strip().lower() for v in values or []]
+    twice = sorted({v for v in seen if seen.count(v) > 1})
+    if twice:
+        raise SpecError(field, f"{', '.join(twice)} given twice")
+
+
 def check_problem_options(*, memory_limit_gb=None, intra_node_bw=None, inter_node_bw=None) -> None:
     check_memory_limit(memory_limit_gb)
     check_bandwidth("intra_node_bw_gbps", intra_node_bw)

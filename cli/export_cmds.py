@@ -220,7 +220,7 @@ def check_cmd(
     max_memory_frac: Annotated[float, typer.Option("--max-memory-frac", help="Largest share of the GPU memory the plan may use.")] = DEFAULT_MAX_MEMORY_FRAC,
     min_mfu: Annotated[Optional[float], typer.Option("--min-mfu", help="Smallest model FLOP utilisation (0-1).")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="A saved report or check --json output to compare throughput with.")] = None,
-    max_regression: Annotated[str, typer.Option("--max-regression", help="Largest throughput loss vs --baseline: 3% or 0.03.")] = "3%",
+    max_regression: Annotated[Optional[str], typer.Option("--max-regression", help="Largest throughput loss vs --baseline: 3% or 0.03 (default 3%).")] = None,
     memory_limit_gb: MemLimitOpt = None,
     calibration: CalibrationOpt = None,
     framework: FrameworkOpt = None,
@@ -246,10 +246,13 @@ def check_cmd(
 ) -> int:
     """CI gate: exit 0 when the plan fits under --max-memory-frac (and --min-mfu, --baseline hold), 1 when one fails."""
     from autotune import api
-    from autotune.check import check_plan, parse_fraction
+    from autotune.check import DEFAULT_MAX_REGRESSION, check_plan, parse_fraction
     from autotune.files import read_json
     from autotune.saved import read_report, report_plans
-    regression = parse_fraction(max_regression, "max-regression")
+    if max_regression is not None and not baseline:     # else the gate the user asked for silently never runs
+        raise SpecError("max-regression", "compares with a baseline: give --baseline FILE (a saved report or "
+                        "check --json output)")
+    regression = parse_fraction(max_regression or DEFAULT_MAX_REGRESSION, "max-regression")
     is_file = plan_or_report.endswith(".json") or os.path.isfile(plan_or_report)
     fw = framework_options_of(locals())
     if is_file and not model:

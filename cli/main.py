@@ -31,6 +31,10 @@ from cli.options import (  # shared flags
 )
 from costmodels.specs import Fp8Recipe, Framework, SpecError
 
+#: the most plans `search --top` lists: each costs a row of the scorer's top-K buffer (8 per plan asked for),
+#: so 10^11 ran out of memory and 2^63 overflowed numpy; a report of 10,000 plans already takes ~1 GB to build
+MAX_TOP = 10_000
+
 app = typer.Typer(
     name="autotune",
     cls=OneLineErrors,
@@ -225,7 +229,7 @@ def search(
     cluster: ClusterOpt = None,
     strategy: Annotated[str, typer.Option("--strategy", help="exhaustive, optuna, or auto (exhaustive when the "
                                           "legal space is small enough, else optuna; says which).")] = "auto",
-    top: Annotated[int, typer.Option("--top", min=1, help="How many plans to list.")] = 10,
+    top: Annotated[int, typer.Option("--top", min=1, max=MAX_TOP, help="How many plans to list.")] = 10,
     memory_limit_gb: MemLimitOpt = None,
     out: Annotated[str, typer.Option("--out", help="Folder for the JSON + Markdown report.")] = "results",
     no_save: Annotated[bool, typer.Option("--no-save", help="Do not write the report.")] = False,

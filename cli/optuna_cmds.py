@@ -64,7 +64,7 @@ StudyOpt = Annotated[Optional[str], typer.Option("--study", help="Study name in 
 TrialsOpt = Annotated[Optional[int], typer.Option("--trials", help="Trials to run (this worker's share).")]
 TimeoutOpt = Annotated[Optional[float], typer.Option("--timeout", help="Stop after this many seconds.")]
 BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", help="Trials asked and scored together.")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampler seed (same seed, same trials).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help="Sampler seed (same seed, same trials).")]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -322,7 +322,7 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
         fields_ |= _moe_layout(moe, fields_["num_layers"], where) if moe else {"num_experts": 0}
     if fields_.get("sliding_window", 0) > 0:
         fields_["sliding_window_layers"] = _sliding_window_layers(cfg, family, fields_["num_layers"], get, where)
-    if _rope_type(cfg) == "yarn" and not fields_.get("kv_lora_rank"):
+    if _rope_type(cfg, where) == "yarn" and not fields_.get("kv_lora_rank"):
         # Megatron builds YaRN as its own position embedding (Megatron-Bridge's GPT-OSS provider:
         # position_embedding_type="yarn"); MLA models (DeepSeek) apply YaRN inside plain "rope"
         fields_["position_embedding"] = "yarn"
@@ -332,13 +332,15 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
     return ModelSpec(name=name, source=source, **fields_)
 
 
-def _rope_type(cfg: dict) -> str:
+def _rope_type(cfg: dict, where: str) -> str:
     """config.json's rope_scaling type ('rope_type', older files 'type'); GptOssConfig's default is YaRN."""
     scaling = cfg.get("rope_scaling")
     if scaling is None and cfg.get("model_type") == "gpt_oss":
         return "yarn"
-    if not isinstance(scaling, dict):
+    if scaling is None:
         return ""
+    if not isinstance(scaling, dict):            # "yarn" or [..] was read as plain RoPE, silently
+        raise SpecError("model", f"{where}: 'rope_scaling' must be a JSON object or null, got {scaling!r:.60}")
     kind = scaling.get("rope_type", scaling.get("type"))
     return kind if isinstance(kind, str) else ""
 
@@ -373,8 +375,10 @@ def _dropout(cfg: dict, model_type: str, where: str) -> float:
 def _text_config(cfg: dict, origin: str) -> dict:
     """The language model's config of a multimodal config.json (Gemma-3, ...: a nested
     `text_config`), with the defaults of its config class where the file omits keys."""
-    if cfg.get("model_type") in _FAMILIES or not isinstance(cfg.get("text_config"), dict):
+    if cfg.get("model_type") in _FAMILIES or cfg.get("text_config") is None:
         return cfg
+    if not isinstance(cfg["text_config"], dict):
+        raise SpecError("model", f"{origin}: 'text_config' must be a JSON object, got {cfg['text_config']!r:.60}")
     text = cfg["text_config"]
     kind = text.get("model_type") or (f"{cfg['model_type']}_text" if isinstance(cfg.get("model_type"), str) else None)
     if kind == "gemma3_text":

@@ -186,13 +186,35 @@ def test_cli_deadline_nothing_meets_exit_3():
                                          (["--min-gpus", "512"], "max_gpus"),
                                          (["--tokens", "-1"], "tokens"),
                                          (["--gpu", "tpu-v9"], "gpu"),
-                                         (["--memory-headroom", "150%"], "memory_headroom")])
+                                         (["--memory-headroom", "150%"], "memory_headroom"),
+                                         # were accepted: 300-digit day counts, a row per repeat, the last price
+                                         (["--tokens", "1e300"], "tokens"),
+                                         (["--gpu", "H100"], "gpu"),
+                                         (["--price-per-gpu-hour", "h100=2,h100=3"], "price_per_gpu_hour"),
+                                         # were exit 3 "no GPU count has a plan that fits" (goodput 0 everywhere)
+                                         (["--mtbf-hours", "1e-300"], "mtbf_hours"),
+                                         (["--checkpoint-s", "1e12"], "checkpoint_s"),
+                                         (["--restart-s", "1e12"], "restart_s"),
+                                         # was refused after the search, naming gpus
+                                         (["--max-gpus", "100000000000"], "max_gpus"),
+                                         # were refused after the search, naming no field
+                                         (["--plot", "/"], "plot"),
+                                         (["--plot", "/nonexistent-folder/cap.html"], "plot")])
 def test_cli_bad_input_one_line(extra, field):
     res = run("capacity", *ARGS, *extra)
     assert res.exit_code == 2, (res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}:"), res.stderr
     assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_plot_never_overwrites_an_input(tmp_path):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"gpu": "h100", "params": {}}))
+    before = cal.read_bytes()
+    res = run("capacity", *ARGS, "--calibration", cal, "--plot", tmp_path / "." / "cal.json")
+    assert res.exit_code == 2 and res.stderr.startswith("error: plot:") and len(res.stderr.splitlines()) == 1
+    assert cal.read_bytes() == before
 
 
 def test_energy_objective_picks_least_kwh():

@@ -598,3 +598,9 @@ def test_explain_and_whatif_check_the_framework_options(command):
     assert_one_line_error(result, 2, "framework", "megatron")
     result = run(command, *SMALL, "--attention-backend", "nope")
     assert_one_line_error(result, 2, "attention")
+
+
+@pytest.mark.parametrize("extra, field", [(["--gpu", "H100"], "gpu"),        # was the same row printed twice
+                                          (["--inter-node-bw", "25", "--inter-node-bw", "25.0"], "inter_node_bw")])
+def test_whatif_refuses_a_variant_given_twice(extra, field):
+    assert_one_line_error(run("whatif", *SMALL, *extra), 2, field, "twice")

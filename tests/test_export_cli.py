@@ -113,6 +113,8 @@ def test_check_takes_the_framework_flags():
 
 def test_check_bad_input_exits_2():
     assert_one_line_error(run("check", PLAN, *SMALL, "--max-regression", "abc"), 2, "max-regression")
+    # without --baseline the regression gate never ran, and the check passed (exit 0)
+    assert_one_line_error(run("check", PLAN, *SMALL, "--max-regression", "3%"), 2, "max-regression", "--baseline")
     assert_one_line_error(run("check", PLAN, *SMALL, "--max-memory-frac", "1.5"), 2, "max-memory-frac")
     assert_one_line_error(run("check", PLAN), 2, "model")
     assert_one_line_error(run("check", "missing.json"), 2, "report", "missing.json")

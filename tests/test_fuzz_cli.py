@@ -259,6 +259,8 @@ def test_hostile_cluster_files(tmp_path, name, text, needle):
     (["--gpus", "8-2000000000"], "gpus"),
     (["--gpus", "9" * 5000], "gpus"),
     (["--seed", "-1"], "seed"),
+    (["--top", "99999999999"], "top"),                # was MemoryError: "input: too large ..." naming no field
+    (["--top", str(2 ** 63)], "top"),                 # was an internal error (numpy's dimension limit)
 ])
 def test_hostile_flags_name_the_field(args, field):
     flags = dict(zip(SMALL[::2], SMALL[1::2])) | dict(zip(args[::2], args[1::2]))

@@ -100,3 +100,18 @@ def test_listing_clusters_names_files_the_cluster_flag_accepts():
     assert {"nvl72.yaml", "two-sites.yaml"} <= {r["file"] for r in rows}
     nvl72 = next(r for r in rows if r["file"] == "nvl72.yaml")
     assert nvl72["gpu"] == "gb200" and nvl72["nvlink_domain"] == 72
+
+
+@pytest.mark.parametrize("cfg, key", [
+    (dict(MISTRAL_7B, rope_scaling="yarn"), "rope_scaling"),          # was read as plain RoPE, silently
+    (dict(MISTRAL_7B, rope_scaling=[1]), "rope_scaling"),
+    ({"model_type": "gemma3", "text_config": []}, "text_config"),     # was "model_type 'gemma3' is not supported"
+    ({"model_type": "gemma3", "text_config": "x"}, "text_config"),
+])
+def test_malformed_nested_keys_are_named(cfg, key, tmp_path):
+    with pytest.raises(ValueError, match=key):
+        model_from_hf_config(cfg, "x")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    result = runner.invoke(app, ["predict", "--model", str(tmp_path), "--gpu", "h100", "--gpus", "8",
+                                 "--global-batch", "16", "--seq-len", "4096", "--plan", "tp=8"])
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1 and key in result.stderr, result.stderr

@@ -542,6 +542,7 @@ BAD = {
     "zero trials": (["--strategy", "optuna", "--trials", "0"], ("trials",)),
     "batch size zero": (["--strategy", "optuna", "--batch-size", "0"], ("batch_size",)),
     "unknown storage": (["--storage", "redis://x"], ("storage", "sqlite")),
+    "negative seed": (["--strategy", "optuna", "--seed", "-1"], ("--seed",)),    # was an internal error (numpy)
 }
 
 
@@ -555,6 +556,13 @@ def test_search_bad_optuna_input(case, tmp_path):
     r = run_cli("search", *base, *extra, "--out", tmp_path)
     one_error_line(r, 2, *needles)
     assert r.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_worker_refuses_a_negative_seed(tmp_path):
+    url = f"sqlite:///{tmp_path}/seed.db"
+    assert run_cli("search", *SMALL_CLI, "--strategy", "optuna", "--trials", "4", "--storage", url, "--study", "s",
+                   "--no-save").exit_code == 0
+    one_error_line(run_cli("worker", "--storage", url, "--study", "s", "--trials", "2", "--seed", "-1"), 2, "--seed")
 
 
 def test_unreachable_storage_one_line_no_password(tmp_path):
