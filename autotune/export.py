@@ -978,6 +978,10 @@ def export(target: str, plan: Plan, problem: Problem, name: str | None = None) -
     if problem.job.framework.framework is Framework.JAX and target != "maxtext":
         raise ExportRefused(target, "framework=jax", "the plan was scored as one XLA-compiled step (a JAX "
                             "trainer); export it to maxtext, or score it with --framework megatron")
+    if problem.job.framework.packed_example_tokens and target != "bridge":
+        raise ExportRefused(target, f"packed_example_tokens={problem.job.framework.packed_example_tokens}",
+                            "the plan was scored with packed sequences (attention inside each example), which "
+                            "Megatron-Bridge's fine-tuning datasets set up (packed_sequence_specs); export it --to bridge")
     if problem.job.framework.lora_dim and target != "bridge":
         raise ExportRefused(target, f"lora_dim={problem.job.framework.lora_dim}", f"LoRA fine-tuning is Megatron-"
                             f"Bridge's PEFT; {target} has no LoRA setting here: export it --to bridge")

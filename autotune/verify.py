@@ -155,6 +155,9 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
         return verify_megatron(problem, plan, steps=steps, warmup=warmup, params=params, **(megatron or {}))
     if runner not in RUNNERS:
         raise SpecError("runner", f"unknown runner {runner!r}; this build has: {', '.join(RUNNERS)}")
+    if problem.job.framework.packed_example_tokens:
+        raise SpecError("packed_example_tokens", "the jax runner trains on unpacked sequences (full causal attention); "
+                        "verify the plan without --packed-example-tokens")
     if problem.job.framework.lora_dim:
         raise SpecError("lora_dim", "the jax runner trains every weight (it has no LoRA adapters); verify the "
                         "plan without --lora-dim, or run it with Megatron-Bridge (export --to bridge)")

@@ -18,7 +18,7 @@ from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, P
                          FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt,
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
                          MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt, CudaGraphImplOpt,
-                         Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, Fp8RecipeOpt,
+                         Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, PackedExampleTokensOpt, Fp8RecipeOpt,
                          CudaGraphModulesOpt, framework_options_of)
 from costmodels.specs import SpecError
 
@@ -64,6 +64,7 @@ def explain(
     fp8_dot_product_attention: Fp8AttentionOpt = None,
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
+    packed_example_tokens: PackedExampleTokensOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -230,6 +231,7 @@ def whatif(
     fp8_dot_product_attention: Fp8AttentionOpt = None,
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
+    packed_example_tokens: PackedExampleTokensOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

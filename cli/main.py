@@ -25,7 +25,7 @@ from cli.options import (  # shared flags
     ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, PrecisionOpt, GpusPerNodeOpt, IntraBwOpt, InterBwOpt, ClusterOpt, MemLimitOpt, CalibrationOpt, JsonOpt,
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
     OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt,
-    CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, Fp8RecipeOpt,
+    CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, PackedExampleTokensOpt, Fp8RecipeOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options_of,
 )
@@ -126,8 +126,17 @@ def lora_note(problem) -> str:
     targets = ", ".join(m.value for m in fw.lora_target_modules)
     return (f"Note: LoRA fine-tuning (Megatron-Bridge peft=LoRA(dim={fw.lora_dim}) on {targets}): the base weights, "
             "embedding and output layer are frozen (no weight gradients, optimizer states or gradient reduction for "
-            "them); model FLOPs count 4 per parameter per token, as NeMo's tables do. Sequence packing (attention "
-            "kept inside each packed example) is not modeled: every sequence attends over its full length.")
+            "them); model FLOPs count 4 per parameter per token, as NeMo's tables do.")
+
+
+def packing_note(problem) -> str:
+    """What packed sequences change: attention inside each example."""
+    n = problem.job.framework.packed_example_tokens
+    if not n:
+        return ""
+    return (f"Note: packed sequences: examples of {n:,} tokens on average share each {problem.job.seq_len:,}-token "
+            "sequence and attention stays inside each example (THD layout): attention time and FLOPs are counted "
+            f"over ~{n / 2:,.0f} keys per query instead of {problem.job.seq_len / 2:,.0f}.")
 
 
 def fp8_recipe_note(problem) -> str:
@@ -158,7 +167,7 @@ def fp8_attention_note(problem) -> str:
 def problem_notes(problem) -> list:
     """The notes `search` and `predict` print under the problem: what the cost model counts for it."""
     return [n for n in (sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem),
-                        deepspeed_moe_note(problem), lora_note(problem),
+                        deepspeed_moe_note(problem), lora_note(problem), packing_note(problem),
                         fp8_recipe_note(problem), fp8_attention_note(problem)) if n]
 
 
@@ -266,6 +275,7 @@ def search(
     fp8_dot_product_attention: Fp8AttentionOpt = None,
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
+    packed_example_tokens: PackedExampleTokensOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
@@ -427,6 +437,7 @@ def predict(
     fp8_dot_product_attention: Fp8AttentionOpt = None,
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
+    packed_example_tokens: PackedExampleTokensOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -20,7 +20,7 @@ from costmodels.specs import SpecError
 from cli.options import (AttentionBackendOpt, CalibrationOpt, CudaGraphImplOpt, CudaGraphModulesOpt, DispatcherOpt,
                          EpOverlapOpt, Fp8ParamGatherOpt, FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt,
                          GradAccFusionOpt, GradReduceBf16Opt, JsonOpt, ModelOpt, MoePermuteFusionOpt,
-                         CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, Fp8RecipeOpt,
+                         CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, PackedExampleTokensOpt, Fp8RecipeOpt,
                          OverlapGradReduceOpt, OverlapParamGatherOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
                          framework_options_of)
 
@@ -146,6 +146,7 @@ def verify(
     fp8_dot_product_attention: Fp8AttentionOpt = None,
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
+    packed_example_tokens: PackedExampleTokensOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

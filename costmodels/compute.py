@@ -292,9 +292,15 @@ def fused_attention_keys_per_query(S: Shapes, M: dict, J: dict, e: EfficiencyPar
     which is s/2 / saturate(s/cp, attn_seq_half). A sliding-window layer: the kernel skips the key blocks
     outside the window [FA sec. 3.1 block tiling; TE/cuDNN window_size], so it computes
     ceil(w / block) + 1 blocks of FLASH_KEY_BLOCK keys per query block, of which the causal count above
-    leaves out half a block (the diagonal one's masked half): block * ceil(w / block) + block / 2."""
+    leaves out half a block (the diagonal one's masked half): block * ceil(w / block) + block / 2. Packed
+    sequences (FrameworkSpec.packed_example_tokens = L): each example's own causal triangle, L/2 + block/2
+    keys per query [FA, varlen kernels]."""
     s, w = J["seq_len"], M["window"]
     full = s / 2.0 + S.cp * e.attn_seq_half / 2.0
+    # packed examples of L tokens (THD, cu_seqlens): the kernel runs each example's causal triangle of tiles, L/2
+    # keys per query and half a key block on each diagonal tile
+    L = J["packed_tokens"]
+    full = jnp.where(L > 0, jnp.minimum(full, L / 2.0 + FLASH_KEY_BLOCK / 2.0 + S.cp * e.attn_seq_half / 2.0), full)
     in_window = FLASH_KEY_BLOCK * jnp.ceil(w / FLASH_KEY_BLOCK) + FLASH_KEY_BLOCK / 2.0 + e.attn_seq_half / 2.0
     return full + M["window_layer_frac"] * (jnp.minimum(in_window, full) - full)
 

@@ -190,6 +190,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         # LoRA fine-tuning (FrameworkSpec.lora_dim): 1 when the base weights are frozen, and the adapters' rank
         lora=float(j.framework.lora_dim > 0), lora_dim=float(j.framework.lora_dim),
         **lora_targets(j.framework),
+        # sequence packing: the mean example length attention stays inside (0: the whole sequence)
+        packed_tokens=float(j.framework.packed_example_tokens),
         allgather_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.ALLGATHER),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
         **cuda_graph_capture(j.framework),     # 0/1 per captured region (costmodels/compute.py host_kernels)

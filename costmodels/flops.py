@@ -27,10 +27,13 @@ class LayerFlops(NamedTuple):
 
 def attended_keys_per_query(M: dict, J: dict):
     """Keys each query attends to, averaged over the layers: s/2 causal, w - w(w-1)/(2s) in a window of
-    w < s keys (the mask's visible pairs per sequence / s)."""
+    w < s keys (the mask's visible pairs per sequence / s), (L+1)/2 in packed examples of L tokens."""
     s, w = J["seq_len"], M["window"]
     in_window = jnp.where((w > 0) & (w < s), w - w * (w - 1.0) / (2.0 * s), s / 2.0)
-    return s / 2.0 + M["window_layer_frac"] * (in_window - s / 2.0)
+    # packed examples of L tokens: each one's own L(L+1)/2 visible pairs, (L+1)/2 per query
+    L = J["packed_tokens"]
+    causal = jnp.where(L > 0, jnp.minimum((L + 1.0) / 2.0, s / 2.0), s / 2.0)
+    return causal + M["window_layer_frac"] * (jnp.minimum(in_window, causal) - causal)
 
 
 def layer_flops(S: Shapes, M: dict, J: dict) -> LayerFlops:

@@ -14,34 +14,34 @@ import jax.numpy as jnp
 
 class EfficiencyParams(NamedTuple):
     # --- compute ---
-    gemm_eff_max: float = 0.896          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
-    gemm_eff_max_fp8: float = 0.9294      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
+    gemm_eff_max: float = 0.9004          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
+    gemm_eff_max_fp8: float = 0.9233      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
     gemm_dim_half: float = 46.0           # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim;
     #                                       measured, not fitted (H200 sweep, tests/gpu/compare_h200.py)
-    attn_eff_max: float = 0.5581          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
+    attn_eff_max: float = 0.4852          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
     attn_seq_half: float = 256.0        # sequence length at which attention efficiency halves
     attn_bwd_ratio: float = 2.5         # flash-attention backward time / forward time (5 vs 2 GEMMs)
-    softmax_bytes_per_score: float = 11.6525  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
-    hbm_eff: float = 0.9018               # achieved fraction of HBM bandwidth for memory-bound kernels
-    elementwise_bytes_h: float = 23.5403   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
-    elementwise_bytes_f: float = 28.8041    # bytes moved per token per FFN unit per layer fwd (activation fn;
+    softmax_bytes_per_score: float = 11.6249  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
+    hbm_eff: float = 0.9004               # achieved fraction of HBM bandwidth for memory-bound kernels
+    elementwise_bytes_h: float = 25.6107   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
+    elementwise_bytes_f: float = 28.9470    # bytes moved per token per FFN unit per layer fwd (activation fn;
     #                                         H200: compiled SwiGLU 28.8, tests/gpu/compare_h200.py)
-    lp_cast_bytes: float = 4.7269          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
-    kernel_overhead_s: float = 5.129e-06     # launch + tail per kernel (dominates small models)
-    host_op_s: float = 5.529e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
+    lp_cast_bytes: float = 4.6078          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
+    kernel_overhead_s: float = 4.886e-06     # launch + tail per kernel (dominates small models)
+    host_op_s: float = 5.510e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
     # --- communication ---
-    intra_bw_eff: float = 0.683          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
-    inter_bw_eff: float = 0.7429          # achieved NIC bandwidth fraction
+    intra_bw_eff: float = 0.6859          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
+    inter_bw_eff: float = 0.7454          # achieved NIC bandwidth fraction
     tp_comm_overlap: float = 0.6089        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
-    dp_overlap: float = 0.508             # fraction of DP grad reduce / param gather that may hide under compute
+    dp_overlap: float = 0.5131             # fraction of DP grad reduce / param gather that may hide under compute
     cp_overlap: float = 0.9             # fraction of ring-attention KV exchange hidden under attention compute
-    pp_overlap: float = 0.4754             # fraction of pipeline p2p hidden under compute
-    ep_overlap: float = 0.8116             # --overlap-moe-expert-parallel-comm: share of a merged fwd+bwd pair's compute the all-to-alls hide under
-    moe_imbalance: float = 1.0797         # busiest expert rank load / mean (force-balanced routing ~1.0)
-    step_overhead_s: float = 0.01289       # per optimizer step fixed host work (logging, grad-norm, scheduler)
-    microbatch_overhead_s: float = 0.002376  # per micro-batch host work (data, schedule bookkeeping)
-    collective_latency_s: float = 1.464e-05  # fixed launch + synchronization cost of one NCCL collective
-    zero3_bw_eff: float = 0.1117           # DeepSpeed ZeRO-3's per-module gathers: fraction of the bus bandwidth reached
+    pp_overlap: float = 0.4832             # fraction of pipeline p2p hidden under compute
+    ep_overlap: float = 0.8104             # --overlap-moe-expert-parallel-comm: share of a merged fwd+bwd pair's compute the all-to-alls hide under
+    moe_imbalance: float = 1.0723         # busiest expert rank load / mean (force-balanced routing ~1.0)
+    step_overhead_s: float = 0.01321       # per optimizer step fixed host work (logging, grad-norm, scheduler)
+    microbatch_overhead_s: float = 0.002437  # per micro-batch host work (data, schedule bookkeeping)
+    collective_latency_s: float = 1.466e-05  # fixed launch + synchronization cost of one NCCL collective
+    zero3_bw_eff: float = 0.1113           # DeepSpeed ZeRO-3's per-module gathers: fraction of the bus bandwidth reached
     # --- memory ---
     mem_fragmentation: float = 1.01     # allocator overhead on dynamic memory (expandable_segments, as NeMo recipes set)
 

@@ -580,6 +580,8 @@ def _parse_enum(cls, text, field_name: str):
     raise SpecError(field_name, f"unknown value {text!r}; choose one of {', '.join(m.value for m in cls)}")
 
 
+#: the most tokens a packed example may have (the largest sequence length accepted anywhere)
+MAX_SEQ_TOKENS = 2 ** 24
 #: the largest LoRA rank accepted (adapters wider than this are no longer low-rank for any model here)
 MAX_LORA_DIM = 65536
 
@@ -654,6 +656,11 @@ class FrameworkSpec:
     # gradient GEMMs, main gradients, optimizer states or gradient reduction for them. 0 = every weight trains
     lora_dim: int = 0
     lora_target_modules: tuple = DEFAULT_LORA_MODULES
+    # Sequence packing (Megatron-Bridge's packed_sequence_specs; NeMo's packed SFT / PEFT datasets): examples of this
+    # many tokens on average are concatenated into each sequence and Transformer Engine's fused attention runs on the
+    # THD layout with their boundaries (cu_seqlens), so a query attends only inside its own example. 0 = one document
+    # per sequence: causal attention over the whole sequence (Megatron's pretraining datasets)
+    packed_example_tokens: int = 0
 
     def __post_init__(self):
         cf = self.moe_expert_capacity_factor
@@ -669,6 +676,17 @@ class FrameworkSpec:
         r = self.lora_dim
         if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= MAX_LORA_DIM:
             raise SpecError("lora_dim", f"must be an integer in 0..{MAX_LORA_DIM} (0 = full training), got {r!r}")
+        n = self.packed_example_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_SEQ_TOKENS:
+            raise SpecError("packed_example_tokens", f"must be an integer number of tokens in 0..{MAX_SEQ_TOKENS} "
+                            f"(0 = no packing), got {n!r}")
+        if n and self.framework is not Framework.MEGATRON:
+            raise SpecError("packed_example_tokens", f"sequence packing (THD attention) is a Megatron-Core / "
+                            f"Megatron-Bridge path; {self.framework.value} has none here: use --framework megatron")
+        if n and not self.attention_backend.is_fused:
+            raise SpecError("packed_example_tokens", "packed sequences need a fused attention kernel (Transformer "
+                            "Engine's THD layout); Megatron's unfused attention takes no example boundaries: use "
+                            "attention_backend=flash or fused")
         mods = self.lora_target_modules
         if not isinstance(mods, tuple) or not mods or not all(isinstance(m, LoraModule) for m in mods) \
                 or len(set(mods)) != len(mods):
@@ -761,6 +779,9 @@ class JobSpec:
     def __post_init__(self):
         _positive("global_batch", self.global_batch)
         _positive("seq_len", self.seq_len)
+        if self.framework.packed_example_tokens > self.seq_len:
+            raise SpecError("packed_example_tokens", f"examples of {self.framework.packed_example_tokens} tokens do not "
+                            f"fit in sequences of seq_len={self.seq_len}; give their mean length, at most seq_len")
         if self.framework.fp8_param_gather and self.precision not in (Precision.FP8, Precision.FP4):
             raise SpecError("fp8_param_gather", f"needs fp8 (or fp4) training, got precision={self.precision.value}")
         if self.framework.fp8_dot_product_attention and self.precision is not Precision.FP8:

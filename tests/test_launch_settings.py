@@ -18,7 +18,7 @@ def test_every_entry_names_a_bundled_row_and_agrees_with_what_the_row_publishes(
     for rid, entry in entries.items():
         assert rid in ROWS, rid
         prov = entry["provenance"]
-        assert (prov.get("repo") == "NVIDIA/Megatron-LM" and prov["commit"]) or prov.get("paper")
+        assert (prov.get("repo") in ("NVIDIA/Megatron-LM", "NVIDIA/NeMo") and prov["commit"]) or prov.get("paper")
         assert prov["files"] and prov["reading"]
         for key, val in (entry.get("model") or {}).items():        # never overrides a published value
             assert ROWS[rid]["model"].get(key) in (None, val), (rid, key)
@@ -82,12 +82,17 @@ def test_rows_without_an_entry_are_untouched():
     assert with_launch_settings(row) == (row, {})
 
 
-def test_nemo_2407_fine_tuning_ran_nemo1s_lora_targets_and_changes_nothing_else():
-    # NeMo 1's megatron_gpt_finetuning_config.yaml: lora_tuning.target_modules ['attention_qkv'] (NVIDIA/NeMo@0078023)
-    row = ROWS["nemo-24.07-LLAMA2-7B-8g-pre"]
-    out, entry = with_launch_settings(row)
-    assert out == row and entry["framework"] == {"lora_target_modules": ["attention_qkv"]}
-    assert case_from_row(row).problem.job.framework.lora_dim == 0          # a pretraining row stays full training
+@pytest.mark.parametrize("rid,lora", [("nemo-24.07-LLAMA2-7B-8g-SFT", False), ("nemo-24.07-LLAMA2-70B-16g-SFT", False),
+                                      ("nemo-24.07-LLAMA2-13B-8g-LoRA", True), ("nemo-24.07-LLAMA2-70B-8g-LoRA", True)])
+def test_nemo_2407_fine_tuning_ran_packed_squad_and_nemo1s_lora_targets(rid, lora):
+    # "SQuAD v1.1 packed to 4096" (the row's notes); NeMo 1's megatron_gpt_finetuning_config.yaml:
+    # lora_tuning.target_modules ['attention_qkv'], adapter_dim 32 (NVIDIA/NeMo@0078023)
+    fw = case_from_row(ROWS[rid]).problem.job.framework
+    assert fw.packed_example_tokens == 240 and "packed to 4096" in ROWS[rid]["notes"]
+    assert (fw.lora_dim, [m.value for m in fw.lora_target_modules][:1]) == ((32, ["linear_qkv"]) if lora else
+                                                                          (0, ["linear_qkv"]))
+    pre = case_from_row(ROWS["nemo-24.07-LLAMA2-7B-8g-pre"]).problem.job.framework      # pretraining: neither
+    assert pre.packed_example_tokens == 0 and pre.lora_dim == 0
 
 
 def test_nemotron_4_has_the_untied_embeddings_of_its_paper():

@@ -139,7 +139,7 @@ def test_the_cli_says_what_it_counts(tmp_path):
        w1=st.integers(0, 40000), w2=st.integers(0, 40000), f1=st.floats(0, 1), f2=st.floats(0, 1),
        half=st.floats(0, 2048))
 def test_a_longer_window_or_fewer_window_layers_never_costs_less(seq, cp, w1, w2, f1, f2, half):
-    S, J, e = SimpleNamespace(cp=jnp.float32(cp)), {"seq_len": jnp.float32(seq)}, EfficiencyParams(attn_seq_half=half)
+    S, J, e = SimpleNamespace(cp=jnp.float32(cp)), {"seq_len": jnp.float32(seq), "packed_tokens": 0.0}, EfficiencyParams(attn_seq_half=half)
 
     def keys(w, f):
         return float(fused_attention_keys_per_query(S, {"window": jnp.float32(w), "window_layer_frac": jnp.float32(f)}, J, e))
