@@ -82,3 +82,15 @@ def test_cli_prints_the_packing_note():
     assert r.exit_code == 0, r.output
     out = " ".join(r.stdout.split())                    # rich wraps long lines
     assert "packed sequences" in out and "128 keys per query instead of 2,048" in out
+
+
+@pytest.mark.parametrize("notes,tokens", [
+    ("NeMo 25.02 LoRA fine-tuning (SQuAD v1.1 packed to 4096).", 240),
+    ("SFT on squad, packed", 240),
+    ("SFT fine-tuning (Dolly packed to 4096)", 0),          # a dataset without a known length: scored unpacked
+    ("NeMo 24.07 pre-training.", 0),
+])
+def test_validate_reads_packing_from_the_notes_and_the_datasets_length(notes, tokens):
+    from autotune.validate import PACKED_EXAMPLE_TOKENS, packed_example_tokens
+    assert PACKED_EXAMPLE_TOKENS["squad"] == 240
+    assert packed_example_tokens({"id": "x", "notes": notes}) == tokens
