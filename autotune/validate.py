@@ -19,9 +19,9 @@ import numpy as np
 from costmodels.params import EfficiencyParams
 from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, modules_mask
 from costmodels.presets import BW_RANGE_GBPS, GPU_PRESETS, MODEL_PRESETS, build_cluster
-from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Fp8Recipe, Framework,
-                              FrameworkSpec, JobSpec, ModelSpec, Precision, Recompute, SpecError,
-                              parse_cuda_graph_modules)
+from costmodels.specs import (DEFAULT_LORA_MODULES, AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType,
+                              Fp8Recipe, Framework, FrameworkSpec, JobSpec, LoraModule, ModelSpec, Precision, Recompute,
+                              SpecError, parse_cuda_graph_modules)
 from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
 from .datasets import gpu_generation, launch_settings, launch_settings_by_source, recipe_settings
@@ -355,6 +355,25 @@ def packed_example_tokens(row: dict) -> int:
     return next((n for name, n in PACKED_EXAMPLE_TOKENS.items() if name in low), 0)
 
 
+#: a NeMo container release named in a row's source or notes ("NeMo 24.07")
+_NEMO_RELEASE = re.compile(r"\bNeMo (\d{2})\.(\d{2})\b")
+#: the last NeMo 1 release: its fine-tuning (megatron_gpt_finetuning) puts LoRA adapters on attention_qkv alone by
+#: default (examples/nlp/language_modeling/tuning/conf/megatron_gpt_finetuning_config.yaml at NVIDIA/NeMo@00780235:
+#: peft.lora_tuning.target_modules ['attention_qkv'], adapter_dim 32); NeMo 2 (24.09 on) and Megatron-Bridge put them
+#: on all four linears
+NEMO1_LAST_RELEASE = (24, 7)
+
+
+def lora_target_modules_of(row: dict) -> tuple:
+    """The LoRA targets a run that does not state them ran: its framework's default (NeMo 1's attention_qkv for a
+    NeMo release up to 24.07, else Megatron-Bridge's / NeMo 2's four linears)."""
+    text = f"{source_of(row).get('title', '')} {row.get('notes', '')}"
+    release = _NEMO_RELEASE.search(text)
+    if release and (int(release.group(1)), int(release.group(2))) <= NEMO1_LAST_RELEASE:
+        return (LoraModule.LINEAR_QKV,)
+    return DEFAULT_LORA_MODULES
+
+
 #: the adapter rank of a LoRA run that does not state one: Megatron-Bridge's and NeMo's default
 #: (peft/lora.py LoRA.dim = 32; NeMo 1's lora_tuning.adapter_dim: 32)
 LORA_DIM_DEFAULT = 32
@@ -441,8 +460,9 @@ def case_from_row(row: dict) -> RowCase:
         **recipe_options)
     if fw_kind is Framework.MEGATRON and not modern:
         framework = dataclasses.replace(framework, **megatron_2021_options(precision))
-    if lora:                          # a LoRA run: the framework's default rank (its targets: the source's below)
-        framework = dataclasses.replace(framework, lora_dim=LORA_DIM_DEFAULT)
+    if lora:                          # a LoRA run: its framework's default rank and targets
+        framework = dataclasses.replace(framework, lora_dim=LORA_DIM_DEFAULT,
+                                        lora_target_modules=lora_target_modules_of(row))
     packed = min(packed_example_tokens(row), int(m["seq_len"]))
     if packed and framework.attention_backend.is_fused:               # packed fine-tuning data (THD attention)
         framework = dataclasses.replace(framework, packed_example_tokens=packed)

@@ -137,6 +137,18 @@ def test_verify_refuses_lora_on_the_jax_runner():
     assert err.value.field == "lora_dim"
 
 
+@pytest.mark.parametrize("title,notes,targets", [
+    ("NeMo 24.07 perf summary", "NeMo 24.07 LoRA fine-tuning", (LoraModule.LINEAR_QKV,)),      # NeMo 1's default
+    ("NeMo 24.05 perf summary", "LoRA", (LoraModule.LINEAR_QKV,)),
+    ("NeMo 25.02 perf summary", "NeMo 25.02 LoRA fine-tuning", DEFAULT_LORA_MODULES),         # NeMo 2 / Bridge
+    ("Megatron-Bridge perf summary", "LoRA, NeMo 26.08 container", DEFAULT_LORA_MODULES),
+    ("a paper", "LoRA", DEFAULT_LORA_MODULES),
+])
+def test_a_lora_row_runs_its_frameworks_default_targets(title, notes, targets):
+    from autotune.validate import lora_target_modules_of
+    assert lora_target_modules_of({"id": "x", "source": {"title": title}, "notes": notes}) == targets
+
+
 def test_nemo_2407_lora_rows_are_scored_with_nemo1s_qkv_adapters():
     """The three LoRA rows of NeMo 24.07's table (Llama 2 7B / 13B / 70B, SQuAD packed to 4096) were skipped
     before LoRA was modeled. Scored as full training the 7B and 13B are 33 and 46 % too slow and the 70B fits on no
