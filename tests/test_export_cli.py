@@ -158,6 +158,17 @@ def test_launch_without_a_checkout_is_bad_input(tmp_path):
                               "--launcher", "mpirun"), 2, "launcher")
 
 
+@pytest.mark.parametrize("command", [["launch"], ["verify", "--runner", "megatron"]])
+@pytest.mark.parametrize("option,field", [(["--lora-dim", "16"], "lora_dim=16"),
+                                          (["--packed-example-tokens", "256"], "packed_example_tokens=256"),
+                                          (["--framework", "jax"], "framework=jax")])
+def test_megatron_lm_commands_refuse_plans_only_bridge_or_a_jax_trainer_runs(command, option, field):
+    """Megatron-LM's pretrain_gpt.py has no LoRA or packed-sequence path: a dry run must not print a full-training,
+    unpacked command for a plan scored otherwise (export --to megatron refuses the same plans)."""
+    r = run(*command, "--plan", "tp=1,pp=1,mbs=1,zero=1", *SMALL, *option, "--megatron-path", "/opt/Megatron-LM",
+            "--dry-run")
+    assert_one_line_error(r, 2, "export --to megatron", field)
+
 # Real Megatron-LM output: Mixtral 8x7B on 16 H100, https://github.com/NVIDIA/Megatron-LM/issues/756
 # (a memory line and three iteration lines, as posted)
 REAL_LINES = """\
