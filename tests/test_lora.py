@@ -113,6 +113,10 @@ def test_only_the_bridge_export_runs_lora():
     (["--lora-dim", "32", "--framework", "deepspeed"], "lora_dim"),
     (["--lora-dim", "-4"], "lora_dim"),
     (["--lora-dim", "32", "--lora-target-modules", "linear_qkv,attention"], "lora_target_modules"),
+    (["--lora-dim", "32", "--lora-target-modules", ""], "lora_target_modules"),          # blank: not all four
+    (["--lora-dim", "32", "--lora-target-modules", ","], "lora_target_modules"),
+    (["--lora-target-modules", "linear_qkv"], "lora_target_modules"),                   # targets of no LoRA
+    (["--lora-dim", "0", "--lora-target-modules", "linear_qkv"], "lora_target_modules"),
 ])
 def test_cli_refuses_bad_lora_options_in_one_line(args, needle):
     r = runner.invoke(app, ["predict", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--plan", PLAN,
