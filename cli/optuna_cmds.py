@@ -462,8 +462,10 @@ def studies(
             return EXIT_OK
         con = _console()
         p = out.get("problem") or {}
+        fw = "".join(f", {k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+                     for k, v in (p.get("framework") or {}).items())
         con.print(Text(f"Study {out['name']} in {out['storage']}: {p.get('model')} on {p.get('gpus')} x "
-                       f"{p.get('gpu')}, objectives {', '.join(out['objectives'])}, sampler {out.get('sampler')}; "
+                       f"{p.get('gpu')}{fw}, objectives {', '.join(out['objectives'])}, sampler {out.get('sampler')}; "
                        f"trials {out['trials']}."))
         table = Table(title="Best feasible trials", title_justify="left")
         for col in ("trial", "values", "GPUs", "plan", "step (s)", "mem GB"):
