@@ -100,6 +100,24 @@ def test_check_a_saved_report_on_its_own_problem_and_on_another():
     assert json.loads(other.stdout)["plan"].startswith(mesh.format(2 * best["dp"]))     # dp from --gpus
 
 
+@pytest.mark.parametrize("key,entry,needle", [
+    ("best", "garbage", "'best'"),                                   # were ignored: top[0] was checked
+    ("best", [1], "'best'"),
+    ("best", 0, "'best'"),
+    ("best", {"step_time_s": 1.0}, "'best'"),
+    ("best", {"plan": {"tp": "x"}}, "plan.tp"),
+    ("best", {"plan": {"recompute": "bogus"}}, "plan.recompute"),
+    ("top", [{"plan": {"recompute": 9}}], "Recompute"),              # was an internal error
+    ("top", ["garbage"], "plan entry"),
+])
+@pytest.mark.parametrize("command", [["check"], ["export", "--to", "bridge", "--report"]])
+def test_a_report_with_a_malformed_plan_entry_is_refused(tmp_path, command, key, entry, needle):
+    doc = json.loads((REPO / "results/reference/dense_llama3-70b_h100x512.json").read_text())
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**doc, key: entry}))
+    assert_one_line_error(run(*command, path), 2, "report", needle)
+
+
 def test_check_takes_the_framework_flags():
     # the CI gate predicts the framework the job runs: without gradient-accumulation fusion the step is slower
     fused = json.loads(run("check", PLAN, *SMALL, "--json").stdout)
