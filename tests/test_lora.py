@@ -133,6 +133,17 @@ def test_cli_predict_prints_the_lora_note_and_search_exports_peft():
     assert "LoRA fine-tuning" in r.stdout and "peft.dim=16" in r.stdout
 
 
+@pytest.mark.parametrize("strategy", [[], ["--strategy", "optuna", "--trials", "10"]])
+def test_search_prints_the_lora_and_packing_notes_whatever_the_strategy(strategy):
+    """The optuna search printed neither: its table looked like full training on unpacked sequences."""
+    r = runner.invoke(app, ["search", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "32",
+                            "--seq-len", "4096", "--lora-dim", "16", "--packed-example-tokens", "256", "--no-save",
+                            *strategy])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.stdout.split())
+    assert "Note: LoRA fine-tuning" in out and "Note: packed sequences" in out
+
+
 def test_verify_refuses_lora_on_the_jax_runner():
     from autotune.verify import verify_plan
     p = _problem()
