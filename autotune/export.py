@@ -164,6 +164,7 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     Refused: ZeRO-2 (DeepSpeed only; Megatron has the distributed optimizer = zero 1 and
     Megatron-FSDP = zero 3)."""
     check_plan(plan, problem)
+    _refuse_other_trainer(target, problem)     # launch and the megatron runner come here without export()
     _refuse_unsettable(target, problem)
     fw = problem.job.framework
     if plan.pp > 1 and fw.pipeline_schedule is PipelineSchedule.GPIPE:
@@ -244,6 +245,22 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
         if fw.cuda_graph_impl is CudaGraphImpl.FULL_ITERATION:
             a += ["--no-check-for-nan-in-loss-and-grad"]
     return [str(x) for x in a]
+
+
+def _refuse_other_trainer(target: str, problem: Problem) -> None:
+    """A plan scored for a JAX trainer, or as a fine-tuning job (LoRA, packed sequences) that only
+    Megatron-Bridge runs: refused by every other target, `launch` and the megatron runner included."""
+    fw = problem.job.framework
+    if fw.framework is Framework.JAX and target != "maxtext":
+        raise ExportRefused(target, "framework=jax", "the plan was scored as one XLA-compiled step (a JAX "
+                            "trainer); export it to maxtext, or score it with --framework megatron")
+    if fw.packed_example_tokens and target != "bridge":
+        raise ExportRefused(target, f"packed_example_tokens={fw.packed_example_tokens}",
+                            "the plan was scored with packed sequences (attention inside each example), which "
+                            "Megatron-Bridge's fine-tuning datasets set up (packed_sequence_specs); export it --to bridge")
+    if fw.lora_dim and target != "bridge":
+        raise ExportRefused(target, f"lora_dim={fw.lora_dim}", f"LoRA fine-tuning is Megatron-"
+                            f"Bridge's PEFT; {target} has no LoRA setting here: export it --to bridge")
 
 
 def _refuse_megatron_deepspeed(target: str, problem: Problem) -> None:
@@ -975,16 +992,7 @@ def export(target: str, plan: Plan, problem: Problem, name: str | None = None) -
     """The plan as `target` runs it, or ExportRefused (a SpecError) naming the plan field and why. `name`: the
     stem of the files it will be written to, for a target whose text names a companion file."""
     target = parse_target(target)
-    if problem.job.framework.framework is Framework.JAX and target != "maxtext":
-        raise ExportRefused(target, "framework=jax", "the plan was scored as one XLA-compiled step (a JAX "
-                            "trainer); export it to maxtext, or score it with --framework megatron")
-    if problem.job.framework.packed_example_tokens and target != "bridge":
-        raise ExportRefused(target, f"packed_example_tokens={problem.job.framework.packed_example_tokens}",
-                            "the plan was scored with packed sequences (attention inside each example), which "
-                            "Megatron-Bridge's fine-tuning datasets set up (packed_sequence_specs); export it --to bridge")
-    if problem.job.framework.lora_dim and target != "bridge":
-        raise ExportRefused(target, f"lora_dim={problem.job.framework.lora_dim}", f"LoRA fine-tuning is Megatron-"
-                            f"Bridge's PEFT; {target} has no LoRA setting here: export it --to bridge")
+    _refuse_other_trainer(target, problem)
     if target == "megatron-deepspeed":
         return _megatron_deepspeed(plan, problem, name)
     return _EXPORTERS[target](plan, problem)

@@ -93,6 +93,9 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
     if lora_target_modules:
         mods = [lora_target_modules] if isinstance(lora_target_modules, str) else lora_target_modules
         given["lora_target_modules"] = parse_lora_modules(mods)
+        if not lora_dim:
+            raise SpecError("lora_target_modules", "has no effect without LoRA (every weight trains); add "
+                            "--lora-dim N (Megatron-Bridge's default rank is 32)")
     if cuda_graph_impl is not None or cuda_graph_modules:
         impl = CudaGraphImpl.parse(cuda_graph_impl) if cuda_graph_impl is not None else CudaGraphImpl.NONE
         mods = [cuda_graph_modules] if isinstance(cuda_graph_modules, str) else cuda_graph_modules

@@ -64,13 +64,26 @@ def problem_from_report(report: dict, source: str = "report") -> Problem:
         raise SpecError("report", f"{source}: problem is incomplete ({exc})") from None
     return Problem(model, cluster, spec)
 
+def _entry_plan(entry, source: str, what: str = "a plan entry") -> Plan:
+    """The plan of one report entry ({"plan": {...}, ...}), or a SpecError naming the report."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("plan"), dict):
+        raise SpecError("report", f"{source}: {what} is malformed (not an object with a 'plan' object)")
+    try:
+        return Plan.from_dict(entry["plan"])
+    except (KeyError, TypeError, ValueError, SpecError) as exc:
+        raise SpecError("report", f"{source}: {what} is malformed ({exc})") from None
+
+
 def report_plans(report: dict, top: int = 1, source: str = "report") -> list:
-    """The best plan and the next ones of a report's `top` list (at most `top`, best first)."""
+    """The best plan and the next ones of a report's `top` list (at most `top`, best first). A `best` entry
+    that is there is checked too, though `top` supplies the plans: a damaged report is refused, not half read."""
+    if report.get("best") is not None:
+        _entry_plan(report["best"], source, "'best'")
     rows = report.get("top") or ([report["best"]] if report.get("best") else [])
     if not rows:
         raise SpecError("report", f"{source} lists no plan ('best' / 'top')")
     try:
-        plans = [Plan.from_dict(r["plan"]) for r in rows[:max(1, top)]]
+        plans = [_entry_plan(r, source) for r in rows[:max(1, top)]]
     except (KeyError, TypeError) as exc:
         raise SpecError("report", f"{source}: a plan entry is malformed ({exc})") from None
     # reports written before recompute_modules existed: selective meant Megatron's default set

@@ -24,7 +24,7 @@ STUDY_ATTR = "autotune"
 #: a verification study (real runs, autotune.verify_study) holds how it runs a plan under this key
 VERIFY_ATTR = "autotune_verify"
 _PROBLEM_KEYS = ("model", "gpu", "gpus", "global_batch", "seq_len", "precision", "gpus_per_node", "intra_node_bw",
-                 "inter_node_bw", "cluster_file", "memory_limit_gb", "calibration", "fixed")
+                 "inter_node_bw", "cluster_file", "memory_limit_gb", "calibration", "fixed", "framework")
 _CSV_ATTRS = ("gpus", "step_time_s", "tokens_per_s", "memory_gb", "fits", "cost_gpu_h")
 
 

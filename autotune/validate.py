@@ -749,6 +749,9 @@ def load_runs(path: str) -> list:
         data = data["runs"]
     if not isinstance(data, list):
         raise SpecError("FILE", f"{path} must hold a list of runs")
+    bad = next((i for i, row in enumerate(data) if not isinstance(row, dict)), None)
+    if bad is not None:
+        raise SpecError("FILE", f"{path}: run {bad} is not a JSON object (got {type(data[bad]).__name__})")
     return data
 
 
@@ -765,9 +768,6 @@ def validate_runs(file: str | None = None, *, dataset: str | None = None, params
     rows = load_runs(path)
     if not rows:
         raise SpecError("FILE", f"{path} holds no runs")
-    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
-    if bad is not None:
-        raise SpecError("FILE", f"{path}: run {bad} is not a JSON object (got {type(rows[bad]).__name__})")
     cal_gpu, source = None, "defaults"
     if calibration:
         from .measurements import read_calibration

@@ -270,8 +270,9 @@ def whatif(
     for r in rows:
         r["speedup_vs_first"] = ref / r["best"]["step_time_s"] if (r["best"] and ref) else None
     code = EXIT_OK if ref is not None else EXIT_NOTHING_FITS
-    if as_json:
-        print_json({"variants": rows})
+    if as_json:                 # the job (its framework options too) is the same in every variant
+        from autotune.report import problem_dict
+        print_json({"variants": rows, "job": problem_dict(problem)["job"]})
     else:
         con = stdout_console()
         t = Table(title=f"What if: {model}, {gpus if gpus else 'cluster'} GPUs", title_justify="left")

@@ -288,7 +288,7 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     if as_json:
         _print_json(report)
     else:
-        _print_human(report, choice, saved, out, save_error)
+        _print_human(report, choice, saved, out, save_error, problem=result.problem)
     if code == EXIT_INTERRUPTED:                   # the trials are kept in the study either way
         _error_line(f"interrupted: {info['n_trials']} trials kept in study {info['study']}")
         return code
@@ -298,7 +298,8 @@ def run_optuna_search(*, model: str, gpu: Optional[str], gpus, global_batch: Opt
     return export_exit(report)
 
 
-def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str, save_error: str | None = None) -> None:
+def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str, save_error: str | None = None,
+                 problem=None) -> None:
     con = _console()
     info = report.get("optuna") or report.get("range") or {}
     if "optuna" in report:
@@ -330,6 +331,10 @@ def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str, save
     else:
         con.print(Text("Report not saved." if save_error else "Report not saved (--no-save)."))
     print_plan_lines(con, report)
+    if problem is not None:             # what the cost model counts for the job, as the exhaustive search says
+        from cli.main import problem_notes
+        for note in problem_notes(problem):
+            con.print(Text(note))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -462,8 +467,10 @@ def studies(
             return EXIT_OK
         con = _console()
         p = out.get("problem") or {}
+        fw = "".join(f", {k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+                     for k, v in (p.get("framework") or {}).items())
         con.print(Text(f"Study {out['name']} in {out['storage']}: {p.get('model')} on {p.get('gpus')} x "
-                       f"{p.get('gpu')}, objectives {', '.join(out['objectives'])}, sampler {out.get('sampler')}; "
+                       f"{p.get('gpu')}{fw}, objectives {', '.join(out['objectives'])}, sampler {out.get('sampler')}; "
                        f"trials {out['trials']}."))
         table = Table(title="Best feasible trials", title_justify="left")
         for col in ("trial", "values", "GPUs", "plan", "step (s)", "mem GB"):

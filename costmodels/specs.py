@@ -546,6 +546,9 @@ def parse_lora_modules(values) -> tuple:
     canonical order (none given: Megatron-Bridge's default, all four)."""
     names = [n for v in (values or ()) for n in re.split(r"[,\s]+", str(v).strip()) if n]
     if not names:
+        if values:                                     # given, but blank: never all four silently
+            raise SpecError("lora_target_modules", "names no module; choose from "
+                            f"{', '.join(m.value for m in LoraModule)} (or leave it out for all four)")
         return DEFAULT_LORA_MODULES
     mods = {LoraModule.parse(n) for n in names}
     return tuple(m for m in LoraModule if m in mods)

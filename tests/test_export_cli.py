@@ -100,6 +100,24 @@ def test_check_a_saved_report_on_its_own_problem_and_on_another():
     assert json.loads(other.stdout)["plan"].startswith(mesh.format(2 * best["dp"]))     # dp from --gpus
 
 
+@pytest.mark.parametrize("key,entry,needle", [
+    ("best", "garbage", "'best'"),                                   # were ignored: top[0] was checked
+    ("best", [1], "'best'"),
+    ("best", 0, "'best'"),
+    ("best", {"step_time_s": 1.0}, "'best'"),
+    ("best", {"plan": {"tp": "x"}}, "plan.tp"),
+    ("best", {"plan": {"recompute": "bogus"}}, "plan.recompute"),
+    ("top", [{"plan": {"recompute": 9}}], "Recompute"),              # was an internal error
+    ("top", ["garbage"], "plan entry"),
+])
+@pytest.mark.parametrize("command", [["check"], ["export", "--to", "bridge", "--report"]])
+def test_a_report_with_a_malformed_plan_entry_is_refused(tmp_path, command, key, entry, needle):
+    doc = json.loads((REPO / "results/reference/dense_llama3-70b_h100x512.json").read_text())
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**doc, key: entry}))
+    assert_one_line_error(run(*command, path), 2, "report", needle)
+
+
 def test_check_takes_the_framework_flags():
     # the CI gate predicts the framework the job runs: without gradient-accumulation fusion the step is slower
     fused = json.loads(run("check", PLAN, *SMALL, "--json").stdout)
@@ -157,6 +175,17 @@ def test_launch_without_a_checkout_is_bad_input(tmp_path):
     assert_one_line_error(run("launch", "--plan", PLAN, *SMALL, "--megatron-path", str(tmp_path), "--dry-run",
                               "--launcher", "mpirun"), 2, "launcher")
 
+
+@pytest.mark.parametrize("command", [["launch"], ["verify", "--runner", "megatron"]])
+@pytest.mark.parametrize("option,field", [(["--lora-dim", "16"], "lora_dim=16"),
+                                          (["--packed-example-tokens", "256"], "packed_example_tokens=256"),
+                                          (["--framework", "jax"], "framework=jax")])
+def test_megatron_lm_commands_refuse_plans_only_bridge_or_a_jax_trainer_runs(command, option, field):
+    """Megatron-LM's pretrain_gpt.py has no LoRA or packed-sequence path: a dry run must not print a full-training,
+    unpacked command for a plan scored otherwise (export --to megatron refuses the same plans)."""
+    r = run(*command, "--plan", "tp=1,pp=1,mbs=1,zero=1", *SMALL, *option, "--megatron-path", "/opt/Megatron-LM",
+            "--dry-run")
+    assert_one_line_error(r, 2, "export --to megatron", field)
 
 # Real Megatron-LM output: Mixtral 8x7B on 16 H100, https://github.com/NVIDIA/Megatron-LM/issues/756
 # (a memory line and three iteration lines, as posted)

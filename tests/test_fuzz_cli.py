@@ -435,6 +435,8 @@ def test_memory_bombs_in_a_subprocess(tmp_path, name, text, args):
     ('[{"id": "a", "id": "b"}]', "twice"),
     ("[" * 5000 + "]" * 5000, "nests deeper"),
     ('{"runs": NaN', "valid JSON"),
+    ("[1, 2, 3]", "run 0 is not a JSON object"),                         # calibrate said "no usable run for GPU"
+    ('{"runs": [{"id": "a"}, "b"]}', "run 1 is not a JSON object"),
 ])
 def test_hostile_runs_files(tmp_path, text, needle):
     path = "/dev/zero"

@@ -113,6 +113,10 @@ def test_only_the_bridge_export_runs_lora():
     (["--lora-dim", "32", "--framework", "deepspeed"], "lora_dim"),
     (["--lora-dim", "-4"], "lora_dim"),
     (["--lora-dim", "32", "--lora-target-modules", "linear_qkv,attention"], "lora_target_modules"),
+    (["--lora-dim", "32", "--lora-target-modules", ""], "lora_target_modules"),          # blank: not all four
+    (["--lora-dim", "32", "--lora-target-modules", ","], "lora_target_modules"),
+    (["--lora-target-modules", "linear_qkv"], "lora_target_modules"),                   # targets of no LoRA
+    (["--lora-dim", "0", "--lora-target-modules", "linear_qkv"], "lora_target_modules"),
 ])
 def test_cli_refuses_bad_lora_options_in_one_line(args, needle):
     r = runner.invoke(app, ["predict", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--plan", PLAN,
@@ -127,6 +131,17 @@ def test_cli_predict_prints_the_lora_note_and_search_exports_peft():
                             "--seq-len", "4096", "--lora-dim", "16", "--no-save", "--export", "bridge"])
     assert r.exit_code == 0, r.output
     assert "LoRA fine-tuning" in r.stdout and "peft.dim=16" in r.stdout
+
+
+@pytest.mark.parametrize("strategy", [[], ["--strategy", "optuna", "--trials", "10"]])
+def test_search_prints_the_lora_and_packing_notes_whatever_the_strategy(strategy):
+    """The optuna search printed neither: its table looked like full training on unpacked sequences."""
+    r = runner.invoke(app, ["search", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "32",
+                            "--seq-len", "4096", "--lora-dim", "16", "--packed-example-tokens", "256", "--no-save",
+                            *strategy])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.stdout.split())
+    assert "Note: LoRA fine-tuning" in out and "Note: packed sequences" in out
 
 
 def test_verify_refuses_lora_on_the_jax_runner():

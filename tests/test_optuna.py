@@ -525,6 +525,35 @@ def test_cli_worker_and_studies_json(tmp_path):
     assert len(json.loads((tmp_path / "trials.json").read_text())["trials"]) == 40
 
 
+@pytest.mark.parametrize("options,framework", [
+    (["--lora-dim", "16"], {"lora_dim": 16}),
+    (["--lora-dim", "8", "--lora-target-modules", "linear_qkv", "--packed-example-tokens", "256"],
+     {"lora_dim": 8, "lora_target_modules": ["linear_qkv"], "packed_example_tokens": 256}),
+])
+def test_a_study_keeps_its_framework_options_and_workers_score_them(tmp_path, options, framework):
+    """`studies` shows the options the study was created with; a worker's trials are scored with them."""
+    from autotune import api
+    from costmodels.plan import Plan
+    url = f"sqlite:///{tmp_path}/s.db"
+    r = run_cli("search", *SMALL_CLI, "--strategy", "optuna", "--trials", "6", "--storage", url, "--study", "s",
+                *options, "--json", "--no-save")
+    assert r.exit_code == 0, r.stderr
+    r = run_cli("worker", "--storage", url, "--study", "s", "--trials", "4", "--json")
+    assert r.exit_code == 0, (r.stderr, r.exception)
+    r = run_cli("studies", "--storage", url, "--study", "s", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["problem"]["framework"] == framework
+    human = run_cli("studies", "--storage", url, "--study", "s").stdout
+    assert all(f"{k}=" in " ".join(human.split()) for k in framework)
+    problem = build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=16, seq_len=4096, framework=framework)
+    trials = optuna.load_study(study_name="s", storage=url).trials[6:]
+    assert len(trials) == 4
+    for t in trials:
+        if "plan" in t.user_attrs:
+            want = api.predict_plan(problem, Plan.from_dict(t.user_attrs["plan"]))["step_time_s"]
+            assert t.user_attrs["metrics"]["step_time_s"] == pytest.approx(want, rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: one line, exit 2, the field named, no password echoed
 # ---------------------------------------------------------------------------------------------

@@ -230,6 +230,19 @@ def test_whatif_json():
     assert rows[1]["best"]["step_time_s"] <= rows[0]["best"]["step_time_s"]     # H200: more HBM bandwidth
 
 
+@pytest.mark.parametrize("options,framework", [
+    ([], {"lora_dim": 0, "packed_example_tokens": 0}),
+    (["--lora-dim", "16", "--lora-target-modules", "linear_qkv", "--packed-example-tokens", "256"],
+     {"lora_dim": 16, "lora_target_modules": ["linear_qkv"], "packed_example_tokens": 256}),
+])
+def test_whatif_json_names_the_jobs_framework_options(options, framework):
+    r = runner.invoke(app, ["whatif", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "32", "--seq-len",
+                            "4096", "--gpu", "h100", "--json", *options])
+    assert r.exit_code == 0, r.stderr
+    job = json.loads(r.stdout)["job"]
+    assert job["seq_len"] == 4096 and framework.items() <= job["framework"].items()
+
+
 PUBLIC_RUNS = Path(dataset_path("public"))     # the bundled copy of shared/validation/public_runs.json
 
 
