@@ -2,7 +2,8 @@
 
     python -m autotune.reference [--out results/reference] [--check]
 
-Dense, MoE and long-context searches (JSON + Markdown + HTML each) and a GPU-range capacity plan.
+Dense, MoE, long-context and LoRA fine-tuning searches (JSON + Markdown + HTML each) and a GPU-range
+capacity plan.
 MANIFEST.json records each case's inputs and, per case, the plans and figures a test re-scores
 (`check`): the stored plans are scored again with the current cost model (one batched call per case,
 no search) and compared with the stored step time and memory, so a change of the model that moves a
@@ -25,6 +26,10 @@ CASES = {
                                   "global_batch": 1024, "seq_len": 4096},
     "long-context_llama3-8b_h100x64_128k": {"kind": "search", "model": "llama3-8b", "gpu": "h100", "gpus": 64,
                                             "global_batch": 32, "seq_len": 131072},
+    # LoRA rank 32 on all four linears over packed instruction data (examples of ~512 tokens in 4k sequences)
+    "lora-finetune_llama3-70b_h100x8_packed": {"kind": "search", "model": "llama3-70b", "gpu": "h100", "gpus": 8,
+                                               "global_batch": 32, "seq_len": 4096,
+                                               "framework": {"lora_dim": 32, "packed_example_tokens": 512}},
     "gpu-range_llama3-70b_15T_h100-b200": {"kind": "capacity", "model": "llama3-70b", "tokens": 15e12,
                                            "gpus": ["h100", "b200"], "deadline": "90d", "min_gpus": 256,
                                            "max_gpus": 8192, "prices": {"h100": 2.5, "b200": 4.0}},
@@ -42,7 +47,8 @@ def inputs_hash(case: dict) -> str:
 def _problem(case: dict, gpus: int | None = None, gpu: str | None = None):
     from .problem import build_problem
     return build_problem(model=case["model"], gpu=gpu or case["gpu"], gpus=gpus or case["gpus"],
-                             global_batch=case.get("global_batch"), seq_len=case.get("seq_len"))
+                             global_batch=case.get("global_batch"), seq_len=case.get("seq_len"),
+                             framework=case.get("framework"))
 
 
 def _run_search(name: str, case: dict, out: str) -> dict:

@@ -21,6 +21,19 @@ def problem_dict(problem: Problem) -> dict:
     return {"model": spec_dict(problem.model), "gpu": gpu, "cluster": cl, "job": spec_dict(problem.job)}
 
 
+def training_text(job: dict) -> str:
+    """What the job trains and on what data, when it is not full training on unpacked sequences ("" then): a saved
+    report's job dict (its framework's lora_dim, lora_target_modules, packed_example_tokens)."""
+    fw = job.get("framework") or {}
+    parts = []
+    if fw.get("lora_dim"):
+        parts.append(f"LoRA rank {fw['lora_dim']} on {', '.join(fw.get('lora_target_modules') or [])} "
+                     "(base weights frozen)")
+    if fw.get("packed_example_tokens"):
+        parts.append(f"packed examples of {fw['packed_example_tokens']:,} tokens (attention inside each)")
+    return "".join(f", {x}" for x in parts)
+
+
 def extras_text(plan: dict) -> str:
     """The Optuna-only knobs in words ("" when unused): uneven end stages, block recompute."""
     parts = []
@@ -177,7 +190,8 @@ def render_markdown(report: dict) -> str:
              "", f"Created {report['created']} by autotune {report['version']} "
              f"(strategy {report['strategy']}, calibration {report['calibration']}).", "",
              f"Job: global batch {p['job']['global_batch']:,} x {p['job']['seq_len']:,} tokens, "
-             f"precision {p['job']['precision']}.", "", "## Why this plan", "", report["explanation"], "",
+             f"precision {p['job']['precision']}{training_text(p['job'])}.", "", "## Why this plan", "",
+             report["explanation"], "",
              *_ties_lines(report),
              "## Best plans", "",
              "| # | " + " | ".join(knob_label(k) for k in knobs)

@@ -177,3 +177,16 @@ def test_nemo_2407_lora_rows_are_scored_with_nemo1s_qkv_adapters():
         assert fw.lora_dim == 32 and fw.lora_target_modules == (LoraModule.LINEAR_QKV,) and "lora_dim" in case.filled
     scored = validate_rows(rows)["runs"]
     assert all(r["error_pct"] is not None and abs(r["error_pct"]) < 25.0 for r in scored), scored
+
+
+def test_the_markdown_report_says_what_the_job_trains(tmp_path):
+    from autotune.report import training_text
+    assert training_text({"framework": {"lora_dim": 0, "packed_example_tokens": 0}}) == ""
+    text = training_text({"framework": {"lora_dim": 16, "lora_target_modules": ["linear_qkv"],
+                                        "packed_example_tokens": 512}})
+    assert text == ", LoRA rank 16 on linear_qkv (base weights frozen), packed examples of 512 tokens (attention inside each)"
+    r = runner.invoke(app, ["search", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "32",
+                            "--seq-len", "4096", "--lora-dim", "16", "--json", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    (md,) = tmp_path.glob("*.md")
+    assert "LoRA rank 16 on linear_qkv, linear_proj, linear_fc1, linear_fc2" in md.read_text()

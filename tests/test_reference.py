@@ -19,7 +19,7 @@ def test_reference_reports_are_current():
 def test_every_case_has_its_three_files():
     manifest = json.loads((REF / reference.MANIFEST).read_text())
     kinds = {c["kind"] for c in manifest["cases"].values()}
-    assert kinds == {"search", "capacity"} and len(manifest["cases"]) == 4
+    assert kinds == {"search", "capacity"} and len(manifest["cases"]) == 5
     for entry in manifest["cases"].values():
         assert sorted(Path(f).suffix for f in entry["files"]) == [".html", ".json", ".md"]
         assert entry["plans"]
