@@ -13,7 +13,7 @@ import warnings
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from .labels import TIME_LABELS, plan_text
+from .labels import TIME_LABELS, plan_text, training_text
 
 MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "other")
 PLOTLYJS_FILE = "plotly.min.js"
@@ -207,7 +207,7 @@ def search_page(report: dict, study=None, plotlyjs: str = "inline", max_plans: i
     p = report["problem"]
     top = report["top"][:max_plans]
     title = (f"{p['model']['name']} on {p['cluster']['num_gpus']} x {p['gpu']['name']}: global batch "
-             f"{p['job']['global_batch']} x {p['job']['seq_len']}")
+             f"{p['job']['global_batch']} x {p['job']['seq_len']}{training_text(p['job'])}")
     blocks: list = [("p", report["explanation"])]
     if report.get("ties"):
         from .headroom import ties_sentence

@@ -17,3 +17,16 @@ TIME_LABELS = {
 def plan_text(plan: dict) -> str:
     """The --plan text of a plan (the Optuna-only knobs left out when 0, i.e. unused)."""
     return format_plan(Plan.from_dict(plan))
+
+
+def training_text(job: dict) -> str:
+    """What the job trains and on what data, when it is not full training on unpacked sequences ("" then): a saved
+    report's job dict (its framework's lora_dim, lora_target_modules, packed_example_tokens)."""
+    fw = job.get("framework") or {}
+    parts = []
+    if fw.get("lora_dim"):
+        parts.append(f"LoRA rank {fw['lora_dim']} on {', '.join(fw.get('lora_target_modules') or [])} "
+                     "(base weights frozen)")
+    if fw.get("packed_example_tokens"):
+        parts.append(f"packed examples of {fw['packed_example_tokens']:,} tokens (attention inside each)")
+    return "".join(f", {x}" for x in parts)

@@ -10,7 +10,7 @@ from costmodels.specs import spec_dict
 from search_spaces.space import KNOBS, Problem
 
 from . import __version__
-from .labels import TIME_LABELS, plan_text  # noqa: F401 (re-exported: reports and the CLI use them)
+from .labels import TIME_LABELS, plan_text, training_text  # noqa: F401 (re-exported: reports and the CLI use them)
 from .files import dumps_json, write_text_atomic
 
 
@@ -19,19 +19,6 @@ def problem_dict(problem: Problem) -> dict:
     cl = spec_dict(problem.cluster)
     gpu = cl.pop("gpu")
     return {"model": spec_dict(problem.model), "gpu": gpu, "cluster": cl, "job": spec_dict(problem.job)}
-
-
-def training_text(job: dict) -> str:
-    """What the job trains and on what data, when it is not full training on unpacked sequences ("" then): a saved
-    report's job dict (its framework's lora_dim, lora_target_modules, packed_example_tokens)."""
-    fw = job.get("framework") or {}
-    parts = []
-    if fw.get("lora_dim"):
-        parts.append(f"LoRA rank {fw['lora_dim']} on {', '.join(fw.get('lora_target_modules') or [])} "
-                     "(base weights frozen)")
-    if fw.get("packed_example_tokens"):
-        parts.append(f"packed examples of {fw['packed_example_tokens']:,} tokens (attention inside each)")
-    return "".join(f", {x}" for x in parts)
 
 
 def extras_text(plan: dict) -> str:
