@@ -94,3 +94,11 @@ def test_validate_reads_packing_from_the_notes_and_the_datasets_length(notes, to
     from autotune.validate import PACKED_EXAMPLE_TOKENS, packed_example_tokens
     assert PACKED_EXAMPLE_TOKENS["squad"] == 240
     assert packed_example_tokens({"id": "x", "notes": notes}) == tokens
+
+
+@pytest.mark.parametrize("cmd", [["explain", "--plan", PLAN], ["whatif", "--gpu", "b200"]])
+def test_explain_and_whatif_print_the_packing_note(cmd):
+    r = runner.invoke(app, [cmd[0], "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "32",
+                            "--seq-len", "4096", "--packed-example-tokens", "256", *cmd[1:]])
+    assert r.exit_code == 0, r.output
+    assert "packed sequences" in " ".join(r.stdout.split())
