@@ -345,10 +345,17 @@ _PACKED = re.compile(r"\bpacked\b", re.IGNORECASE)
 PACKED_EXAMPLE_TOKENS = {"squad": 240}
 
 
+def _described(row: dict) -> str:
+    """What a row says of itself in words: its id, notes and source table and title (a fine-tuning table names
+    its runs' kind in its heading, a row in its id or notes)."""
+    src = source_of(row)
+    return f"{row.get('id', '')} {row.get('notes', '')} {src.get('table', '')} {src.get('title', '')}"
+
+
 def packed_example_tokens(row: dict) -> int:
-    """The mean example length of a run whose notes say its fine-tuning data was packed, from the dataset they name
-    (PACKED_EXAMPLE_TOKENS); 0 when not packed or the dataset is not known (then it is scored unpacked)."""
-    text = f"{row.get('id', '')} {row.get('notes', '')}"
+    """The mean example length of a run whose description says its fine-tuning data was packed, from the dataset it
+    names (PACKED_EXAMPLE_TOKENS); 0 when not packed or the dataset is not known (then it is scored unpacked)."""
+    text = _described(row)
     if not _PACKED.search(text):
         return 0
     low = text.lower()
@@ -380,8 +387,8 @@ LORA_DIM_DEFAULT = 32
 
 
 def is_lora(row: dict) -> bool:
-    """A LoRA fine-tuning run (its id or notes say so): the base weights frozen, adapters trained."""
-    return bool(_LORA.search(f"{row.get('id', '')} {row.get('notes', '')}"))
+    """A LoRA fine-tuning run (its id, notes or source table say so): the base weights frozen, adapters trained."""
+    return bool(_LORA.search(_described(row)))
 
 
 def with_launch_settings(row: dict) -> tuple[dict, dict]:

@@ -190,3 +190,12 @@ def test_the_markdown_report_says_what_the_job_trains(tmp_path):
     assert r.exit_code == 0, r.output
     (md,) = tmp_path.glob("*.md")
     assert "LoRA rank 16 on linear_qkv, linear_proj, linear_fc1, linear_fc2" in md.read_text()
+
+
+def test_a_fine_tuning_table_heading_marks_its_rows_lora():
+    from autotune.validate import is_lora
+    row = {"id": "nemo-25.02-llama3-8b-8g", "notes": "DP DERIVED.", "source": {"title": "NeMo 25.02 perf summary",
+                                                                            "table": "Fine-Tuning (LoRA) Performance"}}
+    assert is_lora(row)
+    assert not is_lora({**row, "source": {"title": "NeMo 25.02 perf summary", "table": "Pre-Training Performance"}})
+    assert not is_lora({"id": "x", "notes": "MLA attention (q_lora 1536, kv_lora 512)"})     # a word, not a prefix
