@@ -374,8 +374,7 @@ NEMO1_LAST_RELEASE = (24, 7)
 def lora_target_modules_of(row: dict) -> tuple:
     """The LoRA targets a run that does not state them ran: its framework's default (NeMo 1's attention_qkv for a
     NeMo release up to 24.07, else Megatron-Bridge's / NeMo 2's four linears)."""
-    text = f"{source_of(row).get('title', '')} {row.get('notes', '')}"
-    release = _NEMO_RELEASE.search(text)
+    release = _NEMO_RELEASE.search(_described(row))
     if release and (int(release.group(1)), int(release.group(2))) <= NEMO1_LAST_RELEASE:
         return (LoraModule.LINEAR_QKV,)
     return DEFAULT_LORA_MODULES

@@ -20,6 +20,7 @@ from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, P
                          MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt, CudaGraphImplOpt,
                          Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, PackedExampleTokensOpt, Fp8RecipeOpt,
                          CudaGraphModulesOpt, framework_options_of)
+from cli.notes import problem_notes
 from costmodels.specs import SpecError
 
 
@@ -96,7 +97,6 @@ def explain(
         con.print(Text(f"{problem.model.name} on {problem.cluster.num_gpus:,} x {problem.cluster.gpu.name}, "
                        f"plan {plan_text(res['plan'])}: {res['step_time_s']:.3f} s per step, "
                        f"{res['peak_memory_gb']:.1f} GB per GPU ({'fits' if fits['fits'] else 'does NOT fit'})."))
-        from cli.main import problem_notes               # what the cost model counts for this problem
         for note in problem_notes(problem):
             con.print(Text(note))
         con.print(Text("What would change the step time (elasticities by jax.jacfwd through the cost model):"))
@@ -290,7 +290,6 @@ def whatif(
                       thousands(b["tokens_per_s_per_gpu"]), f"{b['mfu']:.1%}", f"{b['memory_gb']['total']:.1f}",
                       f"{r['speedup_vs_first']:.2f}x")
         print_table(con, t)
-        from cli.main import problem_notes               # the job's: the same for every variant
         for note in problem_notes(problem):
             con.print(Text(note))
     if code == EXIT_NOTHING_FITS:

@@ -24,6 +24,7 @@ from rich.text import Text
 from cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_NOTHING_FITS, EXIT_OK
 from cli.common import error_line as _error_line, print_json as _print_json, stdout_console as _console
 from cli.export_cmds import export_exit, finish_report, print_plan_lines
+from cli.notes import problem_notes
 from cli.options import JsonOpt
 from costmodels.specs import SpecError
 
@@ -332,7 +333,6 @@ def _print_human(report: dict, choice: osr.StrategyChoice, saved, out: str, save
         con.print(Text("Report not saved." if save_error else "Report not saved (--no-save)."))
     print_plan_lines(con, report)
     if problem is not None:             # what the cost model counts for the job, as the exhaustive search says
-        from cli.main import problem_notes
         for note in problem_notes(problem):
             con.print(Text(note))
 

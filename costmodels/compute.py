@@ -461,6 +461,19 @@ def moe_pre_sync_launches(S: Shapes, M: dict, J: dict):
     return n * (1.0 - J["cg_iteration"])
 
 
+def lora_attention_linears(M: dict) -> tuple:
+    """The attention block's linears LoRA can adapt, as (target flag of the job, input width, output width,
+    column-parallel): linear_qkv (column-parallel: full input, TP-sharded output) and linear_proj (row-parallel)."""
+    h = M["hidden"]
+    return (("lora_qkv", h, M["q_up_n"], True), ("lora_proj", M["attn_out_k"], h, False))
+
+
+def lora_mlp_linears(M: dict, f) -> tuple:
+    """The same for an MLP of FFN width f (dense, a routed expert or the shared experts): linear_fc1, linear_fc2."""
+    h = M["hidden"]
+    return (("lora_fc1", h, f * (1.0 + M["gated"]), True), ("lora_fc2", f, h, False))
+
+
 def lora_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     """Forward time of a dense and of an MoE layer's LoRA adapters (0 without LoRA) [LoRA, sec. 4.1]: beside
     each target linear a rank-r down GEMM (A) reads the linear's input and an up GEMM (B) writes its output
@@ -469,17 +482,21 @@ def lora_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     (linear_qkv, linear_fc1) reads the full input and writes a sharded output, a row-parallel one's
     (linear_proj, linear_fc2) reads a sharded input and writes the full width. Routed experts' adapters act
     per local expert on the expert's tokens; MLA's projections count as one linear_qkv."""
-    gemm, T, tp, h, g, r = _gemm(S, H, J, e), S.tokens, S.tp, M["hidden"], M["gated"], J["lora_dim"]
+    gemm, T, tp, r = _gemm(S, H, J, e), S.tokens, S.tp, J["lora_dim"]
     bw = H["hbm_bw"] * e.hbm_eff
 
-    def adapter(tokens, k, n):
-        return gemm(tokens, r, k) + gemm(tokens, n, r) + LORA_ADD_BYTES_PER_ELEM * J["act_bytes"] * tokens * n / bw
+    def adapters(linears, tokens, shard):
+        t = 0.0
+        for key, k, n, column in linears:
+            k, n = (k, n / shard) if column else (k / shard, n)
+            t = t + J[key] * (gemm(tokens, r, k) + gemm(tokens, n, r)
+                              + LORA_ADD_BYTES_PER_ELEM * J["act_bytes"] * tokens * n / bw)
+        return t
 
     def mlp(tokens, f, shard):
-        return (J["lora_fc1"] * adapter(tokens, h, f * (1.0 + g) / shard)
-                + J["lora_fc2"] * adapter(tokens, f / shard, h)) * (f > 0)
+        return adapters(lora_mlp_linears(M, f), tokens, shard) * (f > 0)
 
-    attn = J["lora_qkv"] * adapter(T, h, M["q_up_n"] / tp) + J["lora_proj"] * adapter(T, M["attn_out_k"] / tp, h)
+    attn = adapters(lora_attention_linears(M), T, tp)
     n_local = jnp.maximum(M["experts"], 1.0) / S.ep
     moe = n_local * mlp(S.expert_tokens, M["expert_ffn"], S.etp) + mlp(T, M["shared_ffn"], tp)
     return attn + mlp(T, M["ffn"], tp), attn + moe * S.is_moe
@@ -488,8 +505,8 @@ def lora_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
 def lora_kernels(S: Shapes, M: dict, J: dict):
     """Kernels the adapters of a dense and of an MoE layer launch per forward (a grouped GEMM serves all
     local experts' adapters, as TE's GroupedLinear serves their linears)."""
-    attn = J["lora_qkv"] + J["lora_proj"]
-    mlp = J["lora_fc1"] + J["lora_fc2"]
+    attn = sum(J[key] for key, *_ in lora_attention_linears(M))
+    mlp = sum(J[key] for key, *_ in lora_mlp_linears(M, M["ffn"]))
     shared = (M["shared_ffn"] > 0) * mlp
     return LORA_KERNELS_PER_ADAPTER * (attn + mlp), LORA_KERNELS_PER_ADAPTER * (attn + mlp + shared)
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from .breakdown import Memory
 from .communication import DataParallelGroups
-from .compute import Shapes, moe_load
+from .compute import Shapes, lora_attention_linears, lora_mlp_linears, moe_load
 from .params import EfficiencyParams
 from .pipeline import in_flight_micro_batches
 from .specs import Precision
@@ -57,12 +57,15 @@ def stage_params(S: Shapes, M: dict, n, holds_ends) -> StageParams:
 def lora_params(S: Shapes, M: dict, J: dict, n) -> StageParams:
     """A rank's LoRA adapter parameters: r x (k + n) per target linear [LoRA], TP-sharded like the linear
     (compute.lora_s), routed experts' per expert like theirs."""
-    h, g, r, fm = M["hidden"], M["gated"], J["lora_dim"], S.frac_moe
+    r, fm = J["lora_dim"], S.frac_moe
+
+    def widths(linears):
+        return sum(J[key] * (k + n) for key, k, n, _ in linears)
 
     def mlp(f):
-        return (J["lora_fc1"] * (h + f * (1.0 + g)) + J["lora_fc2"] * (f + h)) * (f > 0)
+        return widths(lora_mlp_linears(M, f)) * (f > 0)
 
-    attn = J["lora_qkv"] * (h + M["q_up_n"]) + J["lora_proj"] * (M["attn_out_k"] + h)
+    attn = widths(lora_attention_linears(M))
     layer = attn + (1.0 - fm) * mlp(M["ffn"]) + fm * mlp(M["shared_ffn"])
     return StageParams(n * r * layer / S.tp, n * fm * M["experts"] * r * mlp(M["expert_ffn"]) / (S.ep * S.etp))
 
