@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from costmodels.encode import encode_job, encode_model
+from costmodels.flops import full_attention_extra_per_token
 from costmodels.params import EfficiencyParams
 from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, modules_mask
 from costmodels.presets import BW_RANGE_GBPS, GPU_PRESETS, MODEL_PRESETS, build_cluster
@@ -574,6 +576,49 @@ def measured_throughput(row: dict, problem: Problem) -> tuple[float | None, str 
     return None, "measured: neither tokens_per_s_per_gpu nor iteration_time_s is given by the source"
 
 
+#: sources whose model TFLOP/s count causal attention (only the visible half of the scores): Megatron-LM's
+#: num_floating_point_operations since 8873b55d6a (2025-03-06, "only half of the attention matrix is non-zero"),
+#: which the moe_recipes index (2026) logs. Every other source is read as counting all s x s scores, as NVIDIA's
+#: formulas did before 2025 (costmodels.flops.full_attention_extra_per_token); a row can state its own count in
+#: measured.extra.attention_flops ("causal" or "full").
+CAUSAL_ATTENTION_FLOPS_SOURCES = frozenset({"Megatron-LM moe_recipes index"})
+ATTENTION_FLOPS_COUNTS = ("causal", "full")
+
+
+def attention_flops_count(row: dict) -> str:
+    """How the source of a row's model TFLOP/s counted attention: "causal" or "full" (see
+    CAUSAL_ATTENTION_FLOPS_SOURCES)."""
+    meas = row.get("measured") if isinstance(row.get("measured"), dict) else {}
+    extra = meas.get("extra")
+    stated = extra.get("attention_flops") if isinstance(extra, dict) else None
+    if stated is not None:
+        if stated not in ATTENTION_FLOPS_COUNTS:
+            raise SpecError("measured.extra.attention_flops", f"must be one of {', '.join(ATTENTION_FLOPS_COUNTS)}, "
+                            f"got {stated!r}")
+        return stated
+    return "causal" if source_of(row).get("group") in CAUSAL_ATTENTION_FLOPS_SOURCES else "full"
+
+
+def measured_from_tflops(row: dict, problem: Problem, predicted: dict) -> tuple[float | None, str | None]:
+    """A row that gives only a model TFLOP/s figure (the validation README: "can be compared on model TFLOP/s, with
+    that caveat"): its tokens/s per GPU, the figure divided by the FLOPs per token its source counts, which are this
+    cost model's (`predicted`'s model FLOPs per token: plan-independent) plus the scores it counts and this model
+    does not (attention_flops_count). (None, None) when the row has no such figure, (None, why) when it is unusable."""
+    meas = row.get("measured") if isinstance(row.get("measured"), dict) else {}
+    if meas.get("tflops_per_gpu") is None:
+        return None, None
+    tflops, why = measured_value(meas.get("tflops_per_gpu"))
+    if tflops is None:
+        return None, f"measured.tflops_per_gpu: {why}"
+    count = attention_flops_count(row)
+    ours = predicted["model_tflops_per_gpu"] * 1e12 / predicted["tokens_per_s_per_gpu"]
+    extra = 0.0
+    if count == "full":
+        extra = float(full_attention_extra_per_token(encode_model(problem.model),
+                                                     encode_job(problem.job, problem.cluster)))
+    return tflops * 1e12 / (ours + extra), None
+
+
 def rules_broken(problem: Problem, fixed: dict) -> list[dict]:
     """Why no completion of a published plan is legal: the rules that reject every combination of
     its unknown knobs ({rule, reason}), else the rules that reject the most (they fail jointly)."""
@@ -587,7 +632,7 @@ def _empty_result(rid, skipped=None) -> dict:
     return {"id": rid, "measured_tokens_per_s_per_gpu": None, "predicted_tokens_per_s_per_gpu": None,
             "predicted_step_time_s": None, "predicted_fits": None, "predicted_memory_gb": None,
             "error_pct": None, "skipped": skipped, "not_in_space": None, "usable": False, "moe": False,
-            "filled": [], "plan": None, "group": None, "gpu": None}
+            "filled": [], "plan": None, "group": None, "gpu": None, "compared_on": "tokens/s"}
 
 
 def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None = None) -> dict:
@@ -609,7 +654,11 @@ def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None
     res["case_id"] = case_id(case)
     meas = case.measured_tokens_per_s_per_gpu
     res["measured_tokens_per_s_per_gpu"] = meas
-    if meas is None:
+    block = row.get("measured") if isinstance(row.get("measured"), dict) else {}
+    # a run that gives neither tokens/s nor an iteration time (a bad one is the row's error, never a fallback)
+    tflops_only = (block.get("tokens_per_s_per_gpu") is None and block.get("iteration_time_s") is None
+                   and block.get("tflops_per_gpu") is not None)
+    if meas is None and not tflops_only:
         res["skipped"] = case.measured_why
         return res
     try:
@@ -623,6 +672,13 @@ def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None
         res["skipped"] = ("published plan is not in the legal space: "
                           + "; ".join(f"{b['rule']}: {b['reason']}" for b in broken))
         return res
+    if tflops_only:
+        meas, why = measured_from_tflops(row, case.problem, best)
+        if meas is None:
+            res["skipped"] = why
+            return res
+        res["measured_tokens_per_s_per_gpu"] = meas
+        res["compared_on"] = f"model TFLOP/s (attention counted {attention_flops_count(row)})"
     pred = best["tokens_per_s_per_gpu"]
     res.update(predicted_tokens_per_s_per_gpu=pred, predicted_step_time_s=best["step_time_s"],
                predicted_fits=best["fits"], predicted_memory_gb=best["memory_gb"]["total"],
@@ -720,8 +776,17 @@ def _error_figures(errs: list) -> dict:
             "max_abs_error_pct": float(np.max(errs)) if errs else None}
 
 
+def on_tflops(run: dict) -> bool:
+    """Whether a scored run was compared on its source's model TFLOP/s (measured_from_tflops), not on tokens/s."""
+    return str(run.get("compared_on", "")).startswith("model TFLOP/s")
+
+
 def summarize(runs: list) -> dict:
-    scored = [r for r in runs if r.get("error_pct") is not None and math.isfinite(r["error_pct"])]
+    """The MAPE and its breakdowns over the runs compared on tokens/s; runs compared on model TFLOP/s (a FLOPs
+    convention in between) are summed up apart, under "tflops"."""
+    finite = [r for r in runs if r.get("error_pct") is not None and math.isfinite(r["error_pct"])]
+    scored = [r for r in finite if not on_tflops(r)]
+    by_tflops = [r for r in finite if on_tflops(r)]
     errs = [abs(r["error_pct"]) for r in scored]
     not_in_space = [{"id": r["id"], "rules": r["not_in_space"]} for r in runs if r.get("not_in_space")]
     out = {
@@ -746,6 +811,11 @@ def summarize(runs: list) -> dict:
         for r in scored:
             groups.setdefault(of(r), []).append(abs(r["error_pct"]))
         out[key] = {g: _error_figures(e) for g, e in sorted(groups.items())}
+    groups = {}
+    for r in by_tflops:
+        groups.setdefault(r.get("group") or "?", []).append(abs(r["error_pct"]))
+    out["tflops"] = {**_error_figures([abs(r["error_pct"]) for r in by_tflops]),
+                     "by_source": {g: _error_figures(e) for g, e in sorted(groups.items())}}
     return out
 
 

@@ -392,7 +392,7 @@ def validate(
 ) -> int:
     """Predict published, measured runs and report the error per run and the MAPE."""
     from autotune import api
-    from autotune.validate import repeats_warning
+    from autotune.validate import on_tflops, repeats_warning
     with spinner("Predicting runs...", enabled=not as_json):
         summary = api.validate(file, dataset=dataset, calibration=calibration, only_usable=not all_rows)
     if as_json:
@@ -406,7 +406,9 @@ def validate(
     for r in summary["runs"]:
         meas, pred, fits = (r.get("measured_tokens_per_s_per_gpu"), r.get("predicted_tokens_per_s_per_gpu"),
                             r.get("predicted_fits"))
-        table.add_row(str(r.get("id")), "-" if meas is None else f"{meas:,.0f}",
+        # a run compared on its source's model TFLOP/s: its tokens/s derived from that figure, marked
+        mark = " *" if on_tflops(r) and meas is not None else ""
+        table.add_row(str(r.get("id")), "-" if meas is None else f"{meas:,.0f}{mark}",
                       "-" if pred is None else f"{pred:,.0f}",
                       "-" if r.get("error_pct") is None else f"{r['error_pct']:+.1f}",
                       "-" if fits is None else ("yes" if fits else "NO"),
@@ -418,6 +420,12 @@ def validate(
                    f"{summary['n_scored']} scored, {summary['n_skipped']} skipped, "
                    f"{summary.get('n_predicted_oom', 0)} predicted not to fit, "
                    f"{summary.get('n_not_in_space', 0)} not in the legal space."))
+    tf = summary.get("tflops") or {}
+    if tf.get("n"):
+        con.print(Text(f"* {tf['n']} run{'s' if tf['n'] > 1 else ''} give only a model TFLOP/s figure: their tokens/s "
+                       f"is that figure over the FLOPs per token their source counts (attention causal or full, as "
+                       f"listed in the JSON's compared_on), a convention in between, so they are summed up apart: "
+                       f"MAPE {_pct(tf['mape_pct'])}, max abs error {_pct(tf['max_abs_error_pct'])}."))
     for r in summary.get("not_in_space", []):
         rules = "; ".join(f"{b['rule']}: {b['reason']}" for b in r["rules"])
         con.print(Text(f"  not in the legal space: {r['id']}: {rules}"))
@@ -432,7 +440,7 @@ def validate(
 
 def _none_scored(summary: dict) -> int:
     """A validation that scored no run measured nothing: say so and exit 2, so that a CI gate on it fails."""
-    if summary["n_scored"]:
+    if summary["n_scored"] or (summary.get("tflops") or {}).get("n"):
         return EXIT_OK
     error_line(f"FILE: none of the {summary['n_skipped']} runs of {summary['source']} could be scored "
                "(each one's reason is in the skipped column / field)")

@@ -38,8 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from autotune.calibrate import DEFAULT_FIT  # noqa: E402
 from autotune.crossval import (SUBSETS, Run, error_figures, leave_one_group_out,  # noqa: E402
                                load_runs_of, predict_rows)
-from autotune.datasets import DATASETS, TRAINING_DATASETS  # noqa: E402
+from autotune.datasets import DATASETS, TRAINING_DATASETS, dataset_path  # noqa: E402
 from autotune.scoring import enable_compile_cache  # noqa: E402
+from autotune.validate import load_runs, on_tflops, validate_rows  # noqa: E402
 from costmodels.params import LITERATURE_PRIOR, EfficiencyParams, params_to_dict  # noqa: E402
 
 SCHEMA = "autotune.bench_accuracy/1"
@@ -108,6 +109,25 @@ FIT = {"rounds": 2, "steps": 800, "lr": 0.08, "pull": 1e-3}
 QUICK = {"rounds": 1, "steps": 300}
 
 
+def tflops_only_rows() -> dict:
+    """The public rows that give only a model TFLOP/s figure (usable=false: no tokens/s, so no fit ever sees
+    them), compared in their source's FLOPs count (autotune.validate.measured_from_tflops): out of sample, by
+    source, with the shipped defaults and the literature prior."""
+    rows = [r for r in load_runs(dataset_path("public")) if not r.get("usable")]
+    out = {}
+    for label, params in (("defaults", EfficiencyParams()), ("prior", LITERATURE_PRIOR)):
+        runs = [r for r in validate_rows(rows, params, only_usable=False)["runs"]
+                if on_tflops(r) and r.get("error_pct") is not None]
+        out[label] = error_figures(r["error_pct"] for r in runs)
+        if label == "defaults":
+            out["runs"] = {r["id"]: round(r["error_pct"], 3) for r in runs}
+            groups: dict = {}
+            for r in runs:
+                groups.setdefault(r.get("group") or "?", []).append(r["error_pct"])
+            out["by_source"] = {g: error_figures(e) for g, e in sorted(groups.items())}
+    return out
+
+
 def run_benchmark(quick: bool = False, quiet: bool = False, schemes=SCHEMES, *, rounds: int | None = None,
                   steps: int | None = None, lr: float | None = None, pull: float | None = None) -> dict:
     base = {**FIT, **(QUICK if quick else {})}
@@ -134,6 +154,7 @@ def run_benchmark(quick: bool = False, quiet: bool = False, schemes=SCHEMES, *, 
         held_out[name] = {"defaults": error_figures(v["error_pct"] for v in hd.values()),
                           "prior": error_figures(v["error_pct"] for v in hp.values()),
                           "runs": {k: round(v["error_pct"], 3) for k, v in hd.items()}}
+    held_out["public-tflops-only"] = tflops_only_rows()
     folds = {}
     for scheme, key in (("refit", lambda r: "all runs"), ("loso", lambda r: r.source),
                         ("logo", lambda r: r.generation)):
@@ -197,6 +218,8 @@ def print_tables(doc: dict) -> None:
     for name, h in doc.get("held_out_datasets", {}).items():
         print(f"\nheld-out dataset {name} (no fit sees it: out of sample), {h['defaults']['n']} runs: shipped "
               f"defaults {_cell(h['defaults'])} (bias {h['defaults']['bias_pct']:+.1f} %), prior {_cell(h['prior'])}")
+        for src, f in (h.get("by_source") or {}).items():
+            print(f"  {src}: {f['n']} runs, {_cell(f)} (bias {f['bias_pct']:+.1f} %)")
     print("\nin-sample: the shipped defaults were fitted on these rows. in-sample refit: the same fit as LOSO/LOGO "
           "(from the prior) on every run, predicting its own training rows. LOSO / LOGO: each run predicted by a "
           "fit that never saw its source / GPU generation.")
