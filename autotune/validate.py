@@ -19,7 +19,7 @@ import numpy as np
 from costmodels.encode import encode_job, encode_model
 from costmodels.flops import full_attention_extra_per_token
 from costmodels.params import EfficiencyParams
-from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, modules_mask
+from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, expand_layout, modules_mask
 from costmodels.presets import BW_RANGE_GBPS, GPU_PRESETS, MODEL_PRESETS, build_cluster
 from costmodels.specs import (DEFAULT_LORA_MODULES, AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType,
                               Fp8Recipe, Framework, FrameworkSpec, JobSpec, LoraModule, ModelSpec, Precision, Recompute,
@@ -502,6 +502,12 @@ def case_from_row(row: dict) -> RowCase:
     recipe_recompute = recipe_recompute_knobs(row, model)
     if plan.get("recompute_key"):
         fixed["recompute"] = int(Recompute.parse(plan["recompute_key"], "plan.recompute_key"))
+        mods = plan.get("recompute_modules")          # a launch script's --recompute-modules (launch_settings.json)
+        if mods and fixed["recompute"] == int(Recompute.SELECTIVE):
+            mask = modules_mask(mods)
+            if mask & ~applicable_modules_mask(model):
+                raise SpecError("plan.recompute_modules", f"{mods} names a module this model does not have")
+            fixed["recompute_modules"] = mask
     elif recipe_recompute:
         fixed.update(recipe_recompute)
     elif meas.get("hfu") is not None and meas.get("mfu") is None:
@@ -523,14 +529,26 @@ def case_from_row(row: dict) -> RowCase:
         fixed["zero"] = zero
     else:
         filled.append("zero")
-    if not model.is_moe:
+    if plan.get("etp") is not None:                  # a launch script's --expert-tensor-parallel-size
+        fixed["etp"] = int(plan["etp"])
+    elif not model.is_moe:
         fixed["etp"] = 1
     else:
         filled.append("etp")
-    layout = _split_layout(model, fixed, fw_kind)
-    if layout:
-        fixed["layout"] = layout
-        filled.append("layout")
+    for knob in ("account_for_embedding", "account_for_loss"):      # its --account-for-*-in-pipeline-split
+        if plan.get(knob) is not None:
+            fixed[knob] = int(bool(plan[knob]))
+    if plan.get("layout"):                           # its --pipeline-model-parallel-layout (which sets vpp)
+        fixed["layout"] = str(plan["layout"])
+        stages = len(expand_layout(fixed["layout"]))
+        if "vpp" not in fixed and stages % fixed["pp"] == 0:
+            fixed["vpp"] = stages // fixed["pp"]
+            filled.remove("vpp")
+    else:
+        layout = _split_layout(model, fixed, fw_kind)
+        if layout:
+            fixed["layout"] = layout
+            filled.append("layout")
     problem = Problem(model, cluster, job)
     measured, why = measured_throughput(row, problem)
     return RowCase(id=row.get("id", "?"), problem=problem, fixed=fixed, filled=filled,

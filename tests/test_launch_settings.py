@@ -219,3 +219,25 @@ def test_a_plan_scored_with_the_2021_synchronous_tp_all_reduce_is_not_exported()
     for target in ("megatron", "bridge", "torchtitan"):
         with pytest.raises(ExportRefused, match="async_tensor_model_parallel_allreduce"):
             export(target, plan, problem)
+
+
+# examples/moe_recipes/*.yaml @ 8a2ac1fdc7 (NVIDIA/Megatron-LM): the ARGS each recipe-index run was launched with
+@pytest.mark.parametrize("rid,dispatcher,overlap,vpp,recompute,modules,layout", [
+    # deepseek_v3/b200/mxfp8_256GPU_TP1PP8EP32.yaml: flex (deepep), EP overlap, selective [mla_up_proj, mlp], a layout
+    # of 16 virtual stages on pp 8
+    ("DeepSeekV3-B200_MXFP8-256g", "flex", True, 2, 1, {"mlp", "mla_up_proj"}, "Et*4|(tttt|)*14tmL"),
+    # qwen3_235b/h100/bf16_256GPU_TP2PP8EP32.yaml: num_layers_per_virtual_pipeline_stage 3 with both account-for flags:
+    # (94 + 2) / 8 / 3 = 4 virtual stages; recompute_modules "moe_act layernorm"
+    ("Qwen3_235B-H100_BF16-256g", "flex", True, 4, 1, {"moe_act", "layernorm"}, ""),
+    # qwen3_30b/h100/bf16_32GPU_TP1PP1EP8.yaml: flex (hybridep) without EP overlap, no recompute
+    ("Qwen3_30B-H100_BF16-32g", "flex", False, 1, 0, set(), ""),
+])
+def test_moe_recipe_index_runs_use_their_yaml_args(rid, dispatcher, overlap, vpp, recompute, modules, layout):
+    from costmodels.plan import RECOMPUTE_MODULES
+    case = case_from_row(ROWS[f"mcore-moe-recipes-{rid}"])
+    fw = case.problem.job.framework
+    assert fw.moe_token_dispatcher_type.value == dispatcher and fw.overlap_moe_expert_parallel_comm is overlap
+    assert fw.tp_comm_overlap is False                   # Megatron-LM's default; no recipe sets it
+    assert case.fixed["vpp"] == vpp and case.fixed["recompute"] == recompute
+    assert {m for i, m in enumerate(RECOMPUTE_MODULES) if case.fixed.get("recompute_modules", 0) >> i & 1} == modules
+    assert case.fixed.get("layout", "") == layout and "vpp" not in case.filled
