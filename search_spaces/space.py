@@ -623,6 +623,7 @@ def binding_rules(problem: Problem, fixed: dict | None = None, max_rows: int = 1
         bad = np.flatnonzero(~ok)
         if len(bad):
             example = {k: v[bad[:1]] for k, v in grid.items()}
-            example["dp"] = np.maximum(example["dp"], 1)
+            # a dp no combination reaches reads as the one the caller fixed (else 1), never as 0
+            example["dp"] = np.where(example["dp"] > 0, example["dp"], int(fixed["dp"]) if fixed and "dp" in fixed else 1)
             out.append((rule.name, len(bad) / n, rule.explain(example, problem)))
     return sorted(out, key=lambda r: -r[1])

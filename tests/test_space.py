@@ -456,3 +456,11 @@ def test_domains_exclude_dp_and_respect_fixed():
     assert all(problem.model.num_attention_heads >= t for t in dom["tp"])
     assert dom["ep"] == (1,) and dom["etp"] == (1,)          # dense model
     assert max(domains(_problem(MOE))["ep"]) <= MOE.num_experts
+
+
+def test_an_impossible_fixed_dp_is_named_as_given_in_the_no_legal_plan_message():
+    # a published row's dp that no tp*cp*pp reaches on its GPU count (NeMo's B200 long-sequence table: 8 GPUs, dp 2)
+    from autotune.search import NoLegalPlan, exhaustive
+    problem = build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=64, seq_len=4096)
+    with pytest.raises(NoLegalPlan, match=r"tp\*cp\*pp\*dp = 1\*1\*1\*2 must equal gpus=8"):
+        exhaustive(problem, fixed={"tp": 1, "pp": 1, "cp": 1, "dp": 2})
