@@ -628,7 +628,10 @@ def measured_from_tflops(row: dict, problem: Problem, predicted: dict) -> tuple[
     tflops, why = measured_value(meas.get("tflops_per_gpu"))
     if tflops is None:
         return None, f"measured.tflops_per_gpu: {why}"
-    count = attention_flops_count(row)
+    try:
+        count = attention_flops_count(row)
+    except SpecError as exc:
+        return None, str(exc)
     ours = predicted["model_tflops_per_gpu"] * 1e12 / predicted["tokens_per_s_per_gpu"]
     extra = 0.0
     if count == "full":
