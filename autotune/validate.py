@@ -617,11 +617,19 @@ def attention_flops_count(row: dict) -> str:
     return "causal" if source_of(row).get("group") in CAUSAL_ATTENTION_FLOPS_SOURCES else "full"
 
 
+def counts_recomputation(row: dict) -> bool:
+    """Whether a row's TFLOP/s figure counts the recomputation forward pass: its source's percentage of peak is
+    stored as hfu, not mfu (the validation README: Narayanan et al. and BLOOM)."""
+    meas = row.get("measured") if isinstance(row.get("measured"), dict) else {}
+    return meas.get("hfu") is not None and meas.get("mfu") is None
+
+
 def measured_from_tflops(row: dict, problem: Problem, predicted: dict) -> tuple[float | None, str | None]:
-    """A row that gives only a model TFLOP/s figure (the validation README: "can be compared on model TFLOP/s, with
-    that caveat"): its tokens/s per GPU, the figure divided by the FLOPs per token its source counts, which are this
-    cost model's (`predicted`'s model FLOPs per token: plan-independent) plus the scores it counts and this model
-    does not (attention_flops_count). (None, None) when the row has no such figure, (None, why) when it is unusable."""
+    """A row that gives only a TFLOP/s figure (the validation README: "can be compared on model TFLOP/s, with that
+    caveat"): its tokens/s per GPU, the figure divided by the FLOPs per token its source counts, which are this
+    cost model's (`predicted`'s model FLOPs per token, plan-independent; its hardware FLOPs, with the recomputation
+    forward, where the source counts that: counts_recomputation) plus the scores it counts and this model does not
+    (attention_flops_count). (None, None) when the row has no such figure, (None, why) when it is unusable."""
     meas = row.get("measured") if isinstance(row.get("measured"), dict) else {}
     if meas.get("tflops_per_gpu") is None:
         return None, None
@@ -633,10 +641,16 @@ def measured_from_tflops(row: dict, problem: Problem, predicted: dict) -> tuple[
     except SpecError as exc:
         return None, str(exc)
     ours = predicted["model_tflops_per_gpu"] * 1e12 / predicted["tokens_per_s_per_gpu"]
+    passes = 3.0
+    if counts_recomputation(row):
+        ours *= predicted["hfu"] / predicted["mfu"]
+        plan = predicted["plan"]
+        replays = plan["recompute"] == "full" or "core_attn" in (plan.get("recompute_modules") or [])
+        passes += float(replays)
     extra = 0.0
     if count == "full":
         extra = float(full_attention_extra_per_token(encode_model(problem.model),
-                                                     encode_job(problem.job, problem.cluster)))
+                                                     encode_job(problem.job, problem.cluster), passes))
     return tflops * 1e12 / (ours + extra), None
 
 
@@ -699,7 +713,8 @@ def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None
             res["skipped"] = why
             return res
         res["measured_tokens_per_s_per_gpu"] = meas
-        res["compared_on"] = f"model TFLOP/s (attention counted {attention_flops_count(row)})"
+        kind = "hardware" if counts_recomputation(row) else "model"
+        res["compared_on"] = f"{kind} TFLOP/s (attention counted {attention_flops_count(row)})"
     pred = best["tokens_per_s_per_gpu"]
     res.update(predicted_tokens_per_s_per_gpu=pred, predicted_step_time_s=best["step_time_s"],
                predicted_fits=best["fits"], predicted_memory_gb=best["memory_gb"]["total"],
@@ -799,7 +814,7 @@ def _error_figures(errs: list) -> dict:
 
 def on_tflops(run: dict) -> bool:
     """Whether a scored run was compared on its source's model TFLOP/s (measured_from_tflops), not on tokens/s."""
-    return str(run.get("compared_on", "")).startswith("model TFLOP/s")
+    return "TFLOP/s" in str(run.get("compared_on", ""))
 
 
 def summarize(runs: list) -> dict:

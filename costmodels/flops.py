@@ -46,12 +46,13 @@ def layer_flops(S: Shapes, M: dict, J: dict) -> LayerFlops:
     return LayerFlops(dense, moe, core)
 
 
-def full_attention_extra_per_token(M: dict, J: dict):
+def full_attention_extra_per_token(M: dict, J: dict, passes=3.0):
     """FLOPs per token a count with full (non-causal) attention scores adds to this module's causal one: the causal
-    core once more, forward and backward (3 passes) in every layer. NVIDIA's formulas counted attention that way
-    until 2025 (Megatron-LM num_floating_point_operations: the s/h term, halved for the causal mask in 8873b55d6a,
-    2025-03-06; NeMo's flops_formulas 12 s/h before their causal_self_attn factor; [N21] eq. 3's s/6h)."""
-    return 3.0 * M["layers"] * layer_flops(None, M, J).core_attention
+    core once more in every pass over it (forward and backward: 3; with the recomputation forward: 4) of every
+    layer. NVIDIA's formulas counted attention that way until 2025 (Megatron-LM num_floating_point_operations: the
+    s/h term, halved for the causal mask in 8873b55d6a, 2025-03-06; NeMo's flops_formulas 12 s/h before their
+    causal_self_attn factor; [N21] eq. 3's s/6h, 4 passes)."""
+    return passes * M["layers"] * layer_flops(None, M, J).core_attention
 
 
 def step_flops(S: Shapes, M: dict, J: dict, recomputed_share):

@@ -109,3 +109,21 @@ def test_bundled_tflops_rows_are_scored_with_all():
     assert out["tflops"]["n"] == len(rows) == 9
     # the Megatron-LM README's weak-scaling table (H100, 2023-24 code: every score counted), out of sample
     assert out["tflops"]["mape_pct"] < 15.0
+
+
+def narayanan_eq3_flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> float:
+    """Narayanan et al. 2021 eq. 3 over one token: full recomputation counted, every attention score counted."""
+    return 96 * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def test_a_figure_that_counts_the_recomputation_is_read_with_the_hardware_flops():
+    # a GPT row whose source gives its percentage of peak as hfu (BLOOM, Narayanan et al.): the TFLOP/s figure
+    # counts the recomputation forward and every attention score, as eq. 3 does
+    row = _row(2048, 140.0)
+    row["model"] = {**row["model"], "name": "GPT 1.3B", "layers": 24, "hidden": 2048, "ffn_hidden": 8192,
+                    "heads": 16, "kv_heads": 16, "vocab": 51200}
+    row["measured"]["hfu"] = 0.45
+    run = _only(validate_rows([row]))
+    assert run["compared_on"] == "hardware TFLOP/s (attention counted full)"
+    golden = 140e12 / narayanan_eq3_flops_per_token(24, 2048, 2048, 51200)
+    assert run["measured_tokens_per_s_per_gpu"] == pytest.approx(golden, rel=3e-3)
