@@ -190,7 +190,13 @@ def calibrate(rows: list, params: EfficiencyParams | None = None, *, names=DEFAU
     for _ in range(rounds):
         cases = build_cases(rows, params)
         if not cases:
-            raise SpecError("measurements", "no run could be expressed and measured; nothing to fit")
+            n_tf = sum(1 for r in rows if isinstance(r, dict) and isinstance(r.get("measured"), dict)
+                       and r["measured"].get("tflops_per_gpu") is not None
+                       and r["measured"].get("tokens_per_s_per_gpu") is None
+                       and r["measured"].get("iteration_time_s") is None)
+            tf = (f" ({n_tf} give only a TFLOP/s figure: `validate` compares those, calibrate fits measured time "
+                  "only, not a FLOPs convention)") if n_tf else ""
+            raise SpecError("measurements", f"no run could be expressed and measured{tf}; nothing to fit")
         params = fit(cases, params, names, steps=steps, lr=lr, weights=group_weights(cases), prior=prior)
     return params, build_cases(rows, params)
 

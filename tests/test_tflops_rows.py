@@ -127,3 +127,11 @@ def test_a_figure_that_counts_the_recomputation_is_read_with_the_hardware_flops(
     assert run["compared_on"] == "hardware TFLOP/s (attention counted full)"
     golden = 140e12 / narayanan_eq3_flops_per_token(24, 2048, 2048, 51200)
     assert run["measured_tokens_per_s_per_gpu"] == pytest.approx(golden, rel=3e-3)
+
+
+def test_calibrate_says_it_does_not_fit_tflops_only_runs(tmp_path):
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps([_row(8192, 550.0)]))
+    res = CliRunner().invoke(app, ["calibrate", str(path), "--gpu", "h100", "-o", str(tmp_path / "cal.json")])
+    assert res.exit_code == 2
+    assert "1 give only a TFLOP/s figure" in res.output and "Traceback" not in res.output
