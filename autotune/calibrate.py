@@ -22,7 +22,7 @@ from costmodels.plan import PLAN_FIELDS, Plan
 from costmodels.specs import SpecError
 
 from .search import NoLegalPlan, NothingFits, exhaustive
-from .validate import case_from_row, source_of
+from .validate import case_from_row, rate_figure, source_of
 
 #: parameters fitted by default: the time model's efficiencies and overheads (memory constants are
 #: not observable from throughput, so they stay at their documented values). Not gemm_dim_half:
@@ -190,12 +190,9 @@ def calibrate(rows: list, params: EfficiencyParams | None = None, *, names=DEFAU
     for _ in range(rounds):
         cases = build_cases(rows, params)
         if not cases:
-            n_tf = sum(1 for r in rows if isinstance(r, dict) and isinstance(r.get("measured"), dict)
-                       and r["measured"].get("tflops_per_gpu") is not None
-                       and r["measured"].get("tokens_per_s_per_gpu") is None
-                       and r["measured"].get("iteration_time_s") is None)
-            tf = (f" ({n_tf} give only a TFLOP/s figure: `validate` compares those, calibrate fits measured time "
-                  "only, not a FLOPs convention)") if n_tf else ""
+            n_tf = sum(1 for r in rows if isinstance(r, dict) and rate_figure(r) is not None)
+            tf = (f" ({n_tf} give only a FLOP rate (TFLOP/s or a share of peak): `validate` compares those, "
+                  "calibrate fits measured time only, not a FLOPs convention)") if n_tf else ""
             raise SpecError("measurements", f"no run could be expressed and measured{tf}; nothing to fit")
         params = fit(cases, params, names, steps=steps, lr=lr, weights=group_weights(cases), prior=prior)
     return params, build_cases(rows, params)

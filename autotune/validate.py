@@ -624,25 +624,45 @@ def counts_recomputation(row: dict) -> bool:
     return meas.get("hfu") is not None and meas.get("mfu") is None
 
 
-def measured_from_tflops(row: dict, problem: Problem, predicted: dict) -> tuple[float | None, str | None]:
-    """A row that gives only a TFLOP/s figure (the validation README: "can be compared on model TFLOP/s, with that
-    caveat"): its tokens/s per GPU, the figure divided by the FLOPs per token its source counts, which are this
-    cost model's (`predicted`'s model FLOPs per token, plan-independent; its hardware FLOPs, with the recomputation
-    forward, where the source counts that: counts_recomputation) plus the scores it counts and this model does not
-    (attention_flops_count). (None, None) when the row has no such figure, (None, why) when it is unusable."""
+def rate_figure(row: dict) -> str | None:
+    """The measured field a row's FLOP-rate comparison reads when it gives neither tokens/s nor an iteration time:
+    tflops_per_gpu, else mfu / hfu (a share of the GPU's peak); None when it gives none of them."""
     meas = row.get("measured") if isinstance(row.get("measured"), dict) else {}
-    if meas.get("tflops_per_gpu") is None:
-        return None, None
-    tflops, why = measured_value(meas.get("tflops_per_gpu"))
-    if tflops is None:
-        return None, f"measured.tflops_per_gpu: {why}"
+    if meas.get("tokens_per_s_per_gpu") is not None or meas.get("iteration_time_s") is not None:
+        return None
+    return next((k for k in ("tflops_per_gpu", "mfu", "hfu") if meas.get(k) is not None), None)
+
+
+def measured_from_tflops(row: dict, problem: Problem, predicted: dict) -> tuple[float | None, str]:
+    """A row that gives only a FLOP rate (the validation README: "can be compared on model TFLOP/s, with that
+    caveat"): (its tokens/s per GPU, what it was compared on), or (None, why) when the figure is unusable. The
+    tokens/s is the rate divided by the FLOPs per token its source counts: this cost model's (`predicted`'s model
+    FLOPs per token, plan-independent; its hardware FLOPs, with the recomputation forward, where the source counts
+    that: counts_recomputation) plus the scores it counts and this model does not (attention_flops_count). A bare
+    mfu / hfu is a share of the GPU's dense bf16 peak, for a bf16 or fp16 run only (of an fp8 run, sources differ on
+    which peak they divide by)."""
+    meas = row.get("measured") if isinstance(row.get("measured"), dict) else {}
+    field = rate_figure(row)
+    value, why = measured_value(meas.get(field))
+    if value is None:
+        return None, f"measured.{field}: {why}"
+    if field == "tflops_per_gpu":
+        tflops = value
+    elif problem.job.precision not in (Precision.BF16, Precision.FP16):
+        return None, (f"measured.{field}: a share of peak of a {problem.job.precision.value} run does not say which "
+                      "peak it divides by; give measured.tflops_per_gpu")
+    elif value > 1.0:
+        return None, f"measured.{field}: a share of peak must be at most 1, got {value!r}"
+    else:
+        tflops = value * problem.cluster.gpu.peak_flops(Precision.BF16) / 1e12
     try:
         count = attention_flops_count(row)
     except SpecError as exc:
         return None, str(exc)
     ours = predicted["model_tflops_per_gpu"] * 1e12 / predicted["tokens_per_s_per_gpu"]
     passes = 3.0
-    if counts_recomputation(row):
+    hardware = counts_recomputation(row)
+    if hardware:
         ours *= predicted["hfu"] / predicted["mfu"]
         plan = predicted["plan"]
         replays = plan["recompute"] == "full" or "core_attn" in (plan.get("recompute_modules") or [])
@@ -651,7 +671,9 @@ def measured_from_tflops(row: dict, problem: Problem, predicted: dict) -> tuple[
     if count == "full":
         extra = float(full_attention_extra_per_token(encode_model(problem.model),
                                                      encode_job(problem.job, problem.cluster), passes))
-    return tflops * 1e12 / (ours + extra), None
+    kind = "hardware" if hardware else "model"
+    of = "" if field == "tflops_per_gpu" else f", {field} x the GPU's bf16 peak"
+    return tflops * 1e12 / (ours + extra), f"{kind} TFLOP/s (attention counted {count}{of})"
 
 
 def rules_broken(problem: Problem, fixed: dict) -> list[dict]:
@@ -689,10 +711,9 @@ def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None
     res["case_id"] = case_id(case)
     meas = case.measured_tokens_per_s_per_gpu
     res["measured_tokens_per_s_per_gpu"] = meas
-    block = row.get("measured") if isinstance(row.get("measured"), dict) else {}
-    # a run that gives neither tokens/s nor an iteration time (a bad one is the row's error, never a fallback)
-    tflops_only = (block.get("tokens_per_s_per_gpu") is None and block.get("iteration_time_s") is None
-                   and block.get("tflops_per_gpu") is not None)
+    # a run that gives neither tokens/s nor an iteration time but a FLOP rate (a bad tokens/s or iteration time is
+    # the row's error, never a fallback)
+    tflops_only = rate_figure(row) is not None
     if meas is None and not tflops_only:
         res["skipped"] = case.measured_why
         return res
@@ -708,13 +729,12 @@ def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None
                           + "; ".join(f"{b['rule']}: {b['reason']}" for b in broken))
         return res
     if tflops_only:
-        meas, why = measured_from_tflops(row, case.problem, best)
+        meas, how = measured_from_tflops(row, case.problem, best)
         if meas is None:
-            res["skipped"] = why
+            res["skipped"] = how
             return res
         res["measured_tokens_per_s_per_gpu"] = meas
-        kind = "hardware" if counts_recomputation(row) else "model"
-        res["compared_on"] = f"{kind} TFLOP/s (attention counted {attention_flops_count(row)})"
+        res["compared_on"] = how
     pred = best["tokens_per_s_per_gpu"]
     res.update(predicted_tokens_per_s_per_gpu=pred, predicted_step_time_s=best["step_time_s"],
                predicted_fits=best["fits"], predicted_memory_gb=best["memory_gb"]["total"],

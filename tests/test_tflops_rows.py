@@ -134,4 +134,24 @@ def test_calibrate_says_it_does_not_fit_tflops_only_runs(tmp_path):
     path.write_text(json.dumps([_row(8192, 550.0)]))
     res = CliRunner().invoke(app, ["calibrate", str(path), "--gpu", "h100", "-o", str(tmp_path / "cal.json")])
     assert res.exit_code == 2
-    assert "1 give only a TFLOP/s figure" in res.output and "Traceback" not in res.output
+    assert "1 give only a FLOP rate" in res.output and "Traceback" not in res.output
+
+
+def test_a_bare_mfu_is_a_share_of_the_gpus_bf16_peak():
+    # H100 SXM dense bf16: 989.4 TFLOP/s (NVIDIA H100 datasheet); 0.5 of it as model TFLOP/s
+    row = _row(4096, 600.0)
+    row["measured"] = {"tflops_per_gpu": None, "tokens_per_s_per_gpu": None, "iteration_time_s": None, "mfu": 0.5}
+    run = _only(validate_rows([row]))
+    golden = 0.5 * 989.4e12 / nemo_llama2_flops_per_token(4096, causal=False)
+    assert run["measured_tokens_per_s_per_gpu"] == pytest.approx(golden, rel=3e-3)
+    assert run["compared_on"] == "model TFLOP/s (attention counted full, mfu x the GPU's bf16 peak)"
+
+
+@pytest.mark.parametrize("change, why", [({"mfu": 1.5}, "at most 1"), ({"mfu": 0.4, "fp8": True}, "which peak")])
+def test_a_share_of_peak_that_cannot_be_read_is_skipped(change, why):
+    row = _row(4096, 600.0)
+    row["measured"] = {"tflops_per_gpu": None, "mfu": change["mfu"]}
+    if change.get("fp8"):
+        row["plan"]["precision_key"] = "fp8"
+    run = _only(validate_rows([row]))
+    assert run["error_pct"] is None and run["skipped"].startswith("measured.mfu") and why in run["skipped"]
