@@ -36,6 +36,11 @@ CONNECT_TIMEOUT_S = 5
 #: a running trial's heartbeat period and how long a silent one lives (Optuna's RDB heartbeat)
 HEARTBEAT_INTERVAL_S = 10
 HEARTBEAT_GRACE_S = 60
+#: a PostgreSQL session left inside an open transaction (a worker cut off from the database mid-write: its
+#: server-side backend keeps the transaction's row locks until TCP notices, hours later, and every other worker's
+#: next write waits on them) is ended by the server after this long (idle_in_transaction_session_timeout, a
+#: per-session setting); Optuna's own transactions last milliseconds
+PG_IDLE_IN_TRANSACTION_S = 60
 #: a journal lock left by a killed writer is broken after this long (a live append holds it for ms)
 JOURNAL_LOCK_GRACE_S = 10
 #: a stale trial's plan is queued again once
@@ -248,6 +253,9 @@ def _open_rdb(u: str, kind: str, grace_s: float | None) -> RDBStorage:
         engine_kwargs = {"connect_args": {"timeout": 60}}
     elif u.startswith(("postgresql", "postgres", "mysql")):
         engine_kwargs = {"pool_pre_ping": True, "connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+        if u.startswith("postgres") and "options" not in _url_query(u):    # a URL's own libpq options win
+            engine_kwargs["connect_args"]["options"] = \
+                f"-c idle_in_transaction_session_timeout={PG_IDLE_IN_TRANSACTION_S * 1000}"
     last: Exception | None = None
     for attempt in range(_CREATE_TRIES):
         try:
@@ -265,6 +273,16 @@ def _open_rdb(u: str, kind: str, grace_s: float | None) -> RDBStorage:
                 break
             time.sleep(0.2 * (attempt + 1))
     raise SpecError("storage", f"cannot open {storage_error(last, u).reason}") from None
+
+
+def _url_query(u: str) -> dict:
+    """The query parameters of a database URL as SQLAlchemy reads them ({} when it cannot parse it: opening the
+    storage then reports the URL)."""
+    from sqlalchemy.engine import make_url
+    try:
+        return dict(make_url(u).query)
+    except Exception:  # noqa: BLE001 - sqlalchemy's parse errors
+        return {}
 
 
 def _is_creation_race(exc: BaseException) -> bool:

@@ -274,3 +274,21 @@ def test_a_study_name_the_database_refuses_is_one_line(pg):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: storage: {redact_url(pg)}"), r.stderr
     assert "Traceback" not in r.stdout + r.stderr and "autotune:autotune@" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("query, idle, statement", [
+    ("", "1min", "0"),
+    # a URL's own libpq options are kept as given (and then the server default, no timeout, holds)
+    ("?options=-c%20statement_timeout%3D5000", "0", "5s"),
+])
+def test_a_session_cut_off_inside_a_transaction_is_ended_by_the_server(pg, query, idle, statement):
+    """A worker cut off from the database mid-write leaves its server-side session inside an open transaction,
+    holding row locks every other worker's next write waits on (until TCP notices, hours later): the storage
+    asks the server to end such a session after PG_IDLE_IN_TRANSACTION_S."""
+    import sqlalchemy
+    from autotune.storage import PG_IDLE_IN_TRANSACTION_S, open_storage
+    assert PG_IDLE_IN_TRANSACTION_S == 60
+    storage = open_storage(pg + query)
+    with storage.engine.connect() as conn:
+        show = lambda name: conn.execute(sqlalchemy.text(f"SHOW {name}")).scalar()   # noqa: E731
+        assert (show("idle_in_transaction_session_timeout"), show("statement_timeout")) == (idle, statement)
