@@ -649,8 +649,8 @@ def measured_from_tflops(row: dict, problem: Problem, predicted: dict) -> tuple[
     if field == "tflops_per_gpu":
         tflops = value
     elif problem.job.precision not in (Precision.BF16, Precision.FP16):
-        return None, (f"measured.{field}: a share of peak of a {problem.job.precision.value} run does not say which "
-                      "peak it divides by; give measured.tflops_per_gpu")
+        return None, (f"measured.{field}: a share of peak of a run in {problem.job.precision.value} does not say "
+                      "which peak it divides by; give measured.tflops_per_gpu")
     elif value > 1.0:
         return None, f"measured.{field}: a share of peak must be at most 1, got {value!r}"
     else:
