@@ -241,3 +241,11 @@ def test_moe_recipe_index_runs_use_their_yaml_args(rid, dispatcher, overlap, vpp
     assert case.fixed["vpp"] == vpp and case.fixed["recompute"] == recompute
     assert {m for i, m in enumerate(RECOMPUTE_MODULES) if case.fixed.get("recompute_modules", 0) >> i & 1} == modules
     assert case.fixed.get("layout", "") == layout and "vpp" not in case.filled
+
+
+def test_a_recipes_deprecated_external_cuda_graph_is_te_graphs():
+    # qwen3_30b/gb200/mxfp8_16GPU_TP1PP1EP16_partial_cg.yaml sets external_cuda_graph: true, which Megatron-LM's
+    # arguments.py (@8a2ac1fdc7) turns into --cuda-graph-impl transformer_engine, over its cuda_graph_scope
+    fw = case_from_row(ROWS["mcore-moe-recipes-Qwen3_30B-GB200_MXFP8_partial_CG-16g"]).problem.job.framework
+    assert fw.cuda_graph_impl.value == "transformer_engine"
+    assert [m.value for m in fw.cuda_graph_modules] == ["attn", "moe_router", "moe_preprocess"]
