@@ -647,6 +647,12 @@ def measured_from_tflops(row: dict, problem: Problem, predicted: dict) -> tuple[
     if value is None:
         return None, f"measured.{field}: {why}"
     if field == "tflops_per_gpu":
+        # above the GPU's dense peak no run can go (as a share of peak above 1, below); an absurd figure such as
+        # 1e300 would otherwise overflow the derived tokens/s to inf and the run be neither scored nor skipped
+        peak = problem.cluster.gpu.peak_flops(problem.job.precision) / 1e12
+        if value > peak:
+            return None, (f"measured.tflops_per_gpu: {value!r} is above the GPU's dense "
+                          f"{problem.job.precision.value} peak ({peak:,.0f} TFLOP/s)")
         tflops = value
     elif problem.job.precision not in (Precision.BF16, Precision.FP16):
         return None, (f"measured.{field}: a share of peak of a run in {problem.job.precision.value} does not say "
@@ -741,6 +747,14 @@ def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None
                error_pct=100.0 * (pred - meas) / meas if math.isfinite(pred) else None, plan=best["plan"])
     if res["error_pct"] is None:
         res["skipped"] = f"the cost model predicted {pred!r} tokens/s (not finite)"
+    elif not math.isfinite(res["error_pct"]):
+        # a measured figure so small (a subnormal float) that the relative error overflows: skipped, not dropped
+        given = row["measured"]
+        field = tflops_only and rate_figure(row) or ("tokens_per_s_per_gpu" if given.get("tokens_per_s_per_gpu")
+                                                      is not None else "iteration_time_s")
+        res["error_pct"] = None
+        res["skipped"] = (f"measured.{field}: {given[field]!r} gives {meas!r} tokens/s per GPU, too little for a "
+                          f"finite error against the predicted {pred:,.0f}")
     return res
 
 

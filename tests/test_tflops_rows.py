@@ -155,3 +155,20 @@ def test_a_share_of_peak_that_cannot_be_read_is_skipped(change, why):
         row["plan"]["precision_key"] = "fp8"
     run = _only(validate_rows([row]))
     assert run["error_pct"] is None and run["skipped"].startswith("measured.mfu") and why in run["skipped"]
+
+
+@pytest.mark.parametrize("measured, why", [
+    ({"tflops_per_gpu": 1e300}, "measured.tflops_per_gpu: 1e+300 is above the GPU's dense bf16 peak"),
+    ({"tflops_per_gpu": 1000.0}, "measured.tflops_per_gpu: 1000.0 is above the GPU's dense bf16 peak (989 TFLOP/s)"),
+    ({"tflops_per_gpu": 5e-324}, "measured.tflops_per_gpu: 5e-324 gives"),
+    ({"tokens_per_s_per_gpu": 5e-324}, "measured.tokens_per_s_per_gpu: 5e-324 gives"),
+])
+def test_a_figure_whose_error_cannot_be_finite_is_skipped_not_dropped(measured, why):
+    # 1e300 TFLOP/s overflowed the derived tokens/s to inf, a subnormal one the error: the run was neither scored nor
+    # skipped, and the command said "none of the 0 runs could be scored"
+    row = _row()
+    row["measured"] = {"tflops_per_gpu": None, **measured}
+    out = validate_rows([row])
+    run = _only(out)
+    assert run["error_pct"] is None and run["skipped"].startswith(why)
+    assert out["n_skipped"] == 1
