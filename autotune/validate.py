@@ -610,6 +610,8 @@ def attention_flops_count(row: dict) -> str:
     extra = meas.get("extra")
     stated = extra.get("attention_flops") if isinstance(extra, dict) else None
     if stated is not None:
+        # read as Precision.parse and Recompute.parse read theirs: "CAUSAL" and " full" are what they say
+        stated = stated.strip().lower() if isinstance(stated, str) else stated
         if stated not in ATTENTION_FLOPS_COUNTS:
             raise SpecError("measured.extra.attention_flops", f"must be one of {', '.join(ATTENTION_FLOPS_COUNTS)}, "
                             f"got {stated!r}")

@@ -172,3 +172,9 @@ def test_a_figure_whose_error_cannot_be_finite_is_skipped_not_dropped(measured, 
     run = _only(out)
     assert run["error_pct"] is None and run["skipped"].startswith(why)
     assert out["n_skipped"] == 1
+
+
+@pytest.mark.parametrize("stated, count", [("CAUSAL", "causal"), (" full", "full"), ("Causal\n", "causal")])
+def test_a_stated_attention_count_is_read_as_the_other_keys_are(stated, count):
+    # plan.precision_key and plan.recompute_key are read without case or surrounding blanks; so is this one
+    assert attention_flops_count(_row(attention_flops=stated)) == count
