@@ -622,11 +622,20 @@ def attention_flops_count(row: dict) -> str:
     return "causal" if causal else "full"
 
 
+#: sources whose TFLOP/s count the recomputation forward pass whether or not a row gives a percentage of peak:
+#: Narayanan et al. 2021 (eq. 3, Appendix; their Table 2 gives TFLOP/s alone, and the bundled rows derive its
+#: tokens/s with eq. 3, which the model count reads 4/3 too high)
+HARDWARE_FLOPS_SOURCES = frozenset({"Narayanan et al. 2021 (SC21)"})
+
+
 def counts_recomputation(row: dict) -> bool:
     """Whether a row's TFLOP/s figure counts the recomputation forward pass: its source's percentage of peak is
-    stored as hfu, not mfu (the validation README: Narayanan et al. and BLOOM)."""
+    stored as hfu, not mfu (the validation README: Narayanan et al. and BLOOM), or its source always does
+    (HARDWARE_FLOPS_SOURCES)."""
     meas = row.get("measured") if isinstance(row.get("measured"), dict) else {}
-    return meas.get("hfu") is not None and meas.get("mfu") is None
+    if meas.get("mfu") is not None:
+        return False
+    return meas.get("hfu") is not None or source_of(row).get("group") in HARDWARE_FLOPS_SOURCES
 
 
 def rate_figure(row: dict) -> str | None:

@@ -203,3 +203,16 @@ def test_megatron_bridge_tables_count_causal_attention():
         run = _only(validate_rows([row]))
         assert run["compared_on"] == "model TFLOP/s (attention counted causal)"
         assert run["measured_tokens_per_s_per_gpu"] == pytest.approx(tok, rel=0.01)
+
+
+def test_narayanan_table_2_gives_hardware_tflops_without_a_percentage_of_peak():
+    # Table 2 (PTD-P vs ZeRO-3) gives TFLOP/s and no percentage: the figure still counts the recomputation (eq. 3);
+    # read as model TFLOP/s, the derived tokens/s was 4/3 of eq. 3's
+    ((_, row),) = _published(lambda r: r["id"] == "narayanan21-t2-ptdp-175B-384gpu", 1)
+    assert row["measured"]["hfu"] is None and row["measured"]["mfu"] is None
+    m = row["model"]
+    run = _only(validate_rows([row]))
+    assert run["compared_on"] == "hardware TFLOP/s (attention counted full)"
+    golden = row["measured"]["tflops_per_gpu"] * 1e12 / narayanan_eq3_flops_per_token(
+        m["layers"], m["hidden"], m["seq_len"], m["vocab"] or 51200)
+    assert run["measured_tokens_per_s_per_gpu"] == pytest.approx(golden, rel=3e-3)
