@@ -764,8 +764,8 @@ def _row_result(row: dict, params: EfficiencyParams, calibration_gpu: str | None
     elif not math.isfinite(res["error_pct"]):
         # a measured figure so small (a subnormal float) that the relative error overflows: skipped, not dropped
         given = row["measured"]
-        field = tflops_only and rate_figure(row) or ("tokens_per_s_per_gpu" if given.get("tokens_per_s_per_gpu")
-                                                      is not None else "iteration_time_s")
+        field = rate_figure(row) if tflops_only else next(k for k in ("tokens_per_s_per_gpu", "iteration_time_s")
+                                                           if given.get(k) is not None)
         res["error_pct"] = None
         res["skipped"] = (f"measured.{field}: {given[field]!r} gives {meas!r} tokens/s per GPU, too little for a "
                           f"finite error against the predicted {pred:,.0f}")
@@ -889,18 +889,20 @@ def summarize(runs: list) -> dict:
         out[f"mape_{label}_pct"] = float(np.mean(e)) if e else None
         out[f"max_abs_error_{label}_pct"] = float(np.max(e)) if e else None
         out[f"n_scored_{label}"] = len(e)
-    for key, of in (("by_source", lambda r: r.get("group") or "?"),
-                    ("by_gpu_generation", lambda r: gpu_generation(r.get("gpu")))):
-        groups: dict = {}
-        for r in scored:
-            groups.setdefault(of(r), []).append(abs(r["error_pct"]))
-        out[key] = {g: _error_figures(e) for g, e in sorted(groups.items())}
-    groups = {}
-    for r in by_tflops:
-        groups.setdefault(r.get("group") or "?", []).append(abs(r["error_pct"]))
+    by_source = lambda r: r.get("group") or "?"                                  # noqa: E731
+    out["by_source"] = _grouped_figures(scored, by_source)
+    out["by_gpu_generation"] = _grouped_figures(scored, lambda r: gpu_generation(r.get("gpu")))
     out["tflops"] = {**_error_figures([abs(r["error_pct"]) for r in by_tflops]),
-                     "by_source": {g: _error_figures(e) for g, e in sorted(groups.items())}}
+                     "by_source": _grouped_figures(by_tflops, by_source)}
     return out
+
+
+def _grouped_figures(runs: list, of) -> dict:
+    """MAPE and max abs error of scored runs grouped by `of(run)`, groups in sorted order."""
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault(of(r), []).append(abs(r["error_pct"]))
+    return {g: _error_figures(e) for g, e in sorted(groups.items())}
 
 
 def load_runs(path: str) -> list:
