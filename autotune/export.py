@@ -155,6 +155,8 @@ def megatron_model_args(problem: Problem) -> list:
               "--qk-pos-emb-head-dim", m.qk_rope_head_dim, "--v-head-dim", m.v_head_dim]
         if m.q_lora_rank:
             a += ["--q-lora-rank", m.q_lora_rank]
+    if m.mtp_num_layers:
+        a += ["--mtp-num-layers", m.mtp_num_layers]
     return [str(x) for x in a]
 
 
@@ -548,6 +550,8 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
         o += [("model.expert_model_parallel_size", plan.ep), ("model.expert_tensor_parallel_size", plan.etp),
               ("model.moe_token_dispatcher_type", fw.moe_token_dispatcher_type.value),
               ("model.moe_permute_fusion", fw.moe_permute_fusion)]
+    # the model's MTP modules as scored (null: none; Megatron-Bridge's DeepSeek-V3 provider defaults to 1)
+    o += [("model.mtp_num_layers", problem.model.mtp_num_layers or "null")]
     if plan.layout:
         o += [("model.pipeline_model_parallel_layout", plan.layout)]
     else:
@@ -677,6 +681,9 @@ def torchtitan_config(plan: Plan, problem: Problem) -> dict:
     if plan.recompute_layers:
         raise ExportRefused(t, f"recompute_layers={plan.recompute_layers}",
                             "torchtitan checkpoints every n-th layer, not the first n layers of each chunk")
+    if problem.model.mtp_num_layers:
+        raise ExportRefused(t, f"mtp_num_layers={problem.model.mtp_num_layers}", "torchtitan's models have no "
+                            "multi-token prediction modules; score the plan with --mtp-num-layers 0")
     if problem.model.is_moe and plan.etp not in (1, plan.tp):
         raise ExportRefused(t, f"etp={plan.etp}", f"torchtitan supports expert-TP 1 or equal to tp={plan.tp}")
     shard = plan.dp if plan.zero == 3 else 1
@@ -790,6 +797,8 @@ def maxtext_config(plan: Plan, problem: Problem) -> dict:
     cfg[f"dcn_{other}_parallelism"] = 1
     if plan.zero == 1:
         cfg["shard_optimizer_over_data"] = True
+    if problem.model.mtp_num_layers:
+        cfg["mtp_num_layers"] = problem.model.mtp_num_layers     # MaxText's MTP (base.yml; 0 = off)
     # global batch = per_device_batch_size * devices * gradient_accumulation_steps (pyconfig)
     if plan.pp > 1:
         cfg.update(per_device_batch_size=problem.job.global_batch / n, gradient_accumulation_steps=1,
@@ -921,7 +930,8 @@ def megatron_deepspeed_args(plan: Plan, problem: Problem, config_name: str = MDS
                             "--num-experts / --moe-expert-parallel-size), not the Megatron-Core MoE layer the plan was "
                             "scored with")
     for bad, why in ((m.is_mla, "multi-latent attention"), (m.sliding_window, "sliding-window attention"),
-                     (m.position_embedding == "yarn", "YaRN-scaled RoPE")):
+                     (m.position_embedding == "yarn", "YaRN-scaled RoPE"),
+                     (m.mtp_num_layers, "multi-token prediction (--mtp-num-layers)")):
         if bad:
             raise ExportRefused(t, "model", f"Megatron-DeepSpeed has no {why}")
     if plan.layout:

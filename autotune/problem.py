@@ -3,10 +3,12 @@ and a plan from its text. Below `api` and the search modules, so the search
 can rebuild a problem (a study's worker, each GPU count of a range) without importing the facade."""
 from __future__ import annotations
 
+import dataclasses
+
 from costmodels.plan import Plan, parse_plan_text
 from costmodels.presets import build_cluster, load_model
 from costmodels.specs import (AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType, Fp8Recipe, Framework,
-                              FrameworkSpec, JobSpec, PipelineSchedule, Precision, SpecError,
+                              FrameworkSpec, JobSpec, ModelSpec, PipelineSchedule, Precision, SpecError,
                               parse_cuda_graph_modules, parse_lora_modules)
 from search_spaces.space import Problem, check_plan, complete_plan
 
@@ -24,6 +26,13 @@ def build_problem(*, model: str, gpu: str | None = None, gpus: int | None = None
     `framework` holds Megatron-Core options (FrameworkSpec field names; values may be the CLI's
     strings); omitted ones keep Megatron's defaults."""
     spec = load_model(model)
+    if isinstance(framework, dict) and "mtp_num_layers" in framework:
+        # Megatron's --mtp-num-layers: the model's MTP modules as launched (None: its config's
+        # num_nextn_predict_layers)
+        framework = dict(framework)
+        mtp = framework.pop("mtp_num_layers")
+        if mtp is not None:
+            spec = with_mtp_layers(spec, mtp)
     cluster = build_cluster(gpu=gpu, num_gpus=gpus, gpus_per_node=gpus_per_node,
                             intra_node_bw_gbps=intra_node_bw, inter_node_bw_gbps=inter_node_bw,
                             cluster_file=cluster_file)
@@ -37,6 +46,13 @@ def build_problem(*, model: str, gpu: str | None = None, gpus: int | None = None
     fw = framework if isinstance(framework, FrameworkSpec) else framework_spec(**(framework or {}))
     job = JobSpec(global_batch=global_batch, seq_len=seq, precision=prec, framework=fw)
     return Problem(spec, cluster, job)
+
+
+def with_mtp_layers(spec, n) -> ModelSpec:
+    """The model with n multi-token-prediction modules (--mtp-num-layers)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise SpecError("mtp_num_layers", f"must be a whole number, got {n!r}")
+    return dataclasses.replace(spec, mtp_num_layers=n)
 
 
 def framework_spec(*, framework: str | None = None, attention_backend: str | None = None,

@@ -105,14 +105,24 @@ def model_from_row(m: dict) -> ModelSpec:
         for f in ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts",
                   "shared_expert_ffn_hidden_size", "first_k_dense_layers", "moe_layer_freq",
                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                  "sliding_window", "sliding_window_layers", "position_embedding"):
+                  "sliding_window", "sliding_window_layers", "position_embedding", "mtp_num_layers"):
             base[f] = getattr(preset, f)
         if preset.is_mla:
             base["num_kv_heads"] = base["num_attention_heads"]
     elif m.get("num_experts"):
         base.update(num_experts=int(m["num_experts"]), experts_per_token=int(m.get("top_k") or 2),
                     moe_ffn_hidden_size=int(m.get("moe_ffn_hidden") or base["ffn_hidden_size"]))
+    # multi-token prediction: as the row says, else as its preset's config (DeepSeek-V3: 1, which Megatron-Bridge's
+    # DeepSeek-V3 runs count in their published FLOPs, and Megatron-LM's MoE recipes set)
+    if m.get("mtp_num_layers") is not None:
+        base["mtp_num_layers"] = _int_field(m["mtp_num_layers"], "model.mtp_num_layers")
     return ModelSpec(**base)
+
+
+def _int_field(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(name, f"must be a whole number, got {value!r}")
+    return value
 
 
 _KNOWN_PLAN = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vpp": "vpp", "mbs": "micro_batch"}
@@ -261,7 +271,7 @@ def _split_layout(model: ModelSpec, fixed: dict, framework: Framework = Framewor
             if units % pp == 0 and (units // pp) % vpp == 0 and units // pp >= vpp:
                 return None
     try:
-        return balanced_layout(model.num_layers, pp, vpps[0])
+        return balanced_layout(model.num_layers, pp, vpps[0], model.mtp_num_layers)
     except SpecError:
         return None
 

@@ -65,6 +65,9 @@ def runner_spec(spec: ModelSpec, num_layers: int) -> ModelSpec:
     layer: first_k_dense_layers and moe_layer_freq are not built)."""
     if spec.is_mla:
         raise SpecError("model", f"{spec.name} uses multi-head latent attention, which the jax runner does not build")
+    if spec.mtp_num_layers:
+        raise SpecError("mtp_num_layers", f"the jax runner builds no multi-token prediction modules; verify with "
+                        f"--mtp-num-layers 0, or run {spec.name} with Megatron (--runner megatron)")
     extra = {"first_k_dense_layers": 0, "moe_layer_freq": 1} if spec.is_moe else {}
     return dataclasses.replace(spec, num_layers=num_layers, **extra)
 

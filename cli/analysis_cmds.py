@@ -19,6 +19,7 @@ from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, P
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
                          MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt, CudaGraphImplOpt,
                          Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, PackedExampleTokensOpt, Fp8RecipeOpt,
+                         MtpNumLayersOpt,
                          CudaGraphModulesOpt, framework_options_of)
 from cli.notes import problem_notes
 from costmodels.specs import SpecError
@@ -66,6 +67,7 @@ def explain(
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
+    mtp_num_layers: MtpNumLayersOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -235,6 +237,7 @@ def whatif(
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
+    mtp_num_layers: MtpNumLayersOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

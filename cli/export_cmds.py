@@ -21,6 +21,7 @@ from cli.options import (AttentionBackendOpt, CalibrationOpt, ClusterOpt, CudaGr
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
                          MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8ParamGatherOpt,
                          Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, PackedExampleTokensOpt, Fp8RecipeOpt,
+                         MtpNumLayersOpt,
                          FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt, GpusPerNodeOpt, GradReduceBf16Opt, InterBwOpt,
                          IntraBwOpt, JsonOpt, MemLimitOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
                          framework_options_of)
@@ -80,6 +81,9 @@ def problem_text(problem) -> str:
 
     counts = problem.model.param_counts()
     active = (f", {counts['active'] / 1e9:.1f} B active" if problem.model.is_moe else "")
+    n_mtp = problem.model.mtp_num_layers
+    if n_mtp:
+        active += f", {n_mtp} MTP module{'s' if n_mtp > 1 else ''} of {counts['mtp'] / 1e9:.1f} B more"
     nodes, per_node = nodes_of(problem.cluster)
     return (f"{problem.model.name} ({counts['total'] / 1e9:.1f} B parameters{active}) on {problem.cluster.num_gpus} x "
             f"{problem.cluster.gpu.name} ({nodes} nodes of {per_node}, NVLink domain {problem.cluster.nvlink_domain_size} "
@@ -162,6 +166,7 @@ def export_cmd(
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
+    mtp_num_layers: MtpNumLayersOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     as_json: JsonOpt = False,
@@ -242,6 +247,7 @@ def check_cmd(
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
+    mtp_num_layers: MtpNumLayersOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     as_json: JsonOpt = False,
@@ -327,6 +333,7 @@ def launch_cmd(
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
+    mtp_num_layers: MtpNumLayersOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     as_json: JsonOpt = False,

@@ -26,6 +26,7 @@ from cli.options import (  # shared flags
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
     OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt,
     CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, PackedExampleTokensOpt, Fp8RecipeOpt,
+    MtpNumLayersOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options_of,
 )
@@ -180,6 +181,7 @@ def search(
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
+    mtp_num_layers: MtpNumLayersOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
@@ -342,6 +344,7 @@ def predict(
     lora_dim: LoraDimOpt = None,
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
+    mtp_num_layers: MtpNumLayersOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

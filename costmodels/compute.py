@@ -603,12 +603,20 @@ class HeadWork(NamedTuple):
     logits_fwd_bwd: object   # that GEMM forward and backward: 3 x (2 x when frozen: no weight gradient)
     loss: object             # softmax cross-entropy over the vocabulary
     embedding: object        # lookup forward + gradient scatter (frozen: the lookup only)
+    mtp: object              # the MTP modules' own work beside their layers (0 without MTP)
+    outputs: object          # passes through the output layer: 1 + MTP modules
 
 
 def head_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> HeadWork:
-    gemm, T, tp = _gemm(S, H, J, e), S.tokens, S.tp
+    gemm, T, tp, h = _gemm(S, H, J, e), S.tokens, S.tp, M["hidden"]
     bw = H["hbm_bw"] * e.hbm_eff
-    logits = gemm(T, M["vocab"] / tp, M["hidden"])
-    return HeadWork(logits_fwd=logits, logits_fwd_bwd=(3.0 - J["lora"]) * logits,
-                    loss=T * M["vocab"] / tp * J["loss_bytes"] / bw,
-                    embedding=T * M["hidden"] * (EMBEDDING_BYTES_PER_H - J["lora"] * EMBEDDING_GRAD_BYTES_PER_H) / bw)
+    passes = 3.0 - J["lora"]
+    logits = gemm(T, M["vocab"] / tp, h)
+    loss = T * M["vocab"] / tp * J["loss_bytes"] / bw
+    embedding = T * h * (EMBEDDING_BYTES_PER_H - J["lora"] * EMBEDDING_GRAD_BYTES_PER_H) / bw
+    # each MTP module looks up the next tokens' embeddings, projects [norm(h); norm(emb)] 2h -> h (eh_proj,
+    # column-parallel), and after its layer runs the shared output layer and a loss of its own [Megatron-Core
+    # multi_token_prediction.py MultiTokenPredictionLayer.forward, process_mtp_loss]
+    mtp = M["mtp_layers"] * (passes * (logits + gemm(T, h / tp, 2.0 * h)) + loss + embedding)
+    return HeadWork(logits_fwd=logits, logits_fwd_bwd=passes * logits, loss=loss, embedding=embedding, mtp=mtp,
+                    outputs=1.0 + M["mtp_layers"])

@@ -64,6 +64,8 @@ def encode_model(m: ModelSpec) -> dict:
         expert_params=m.mlp_params(m.moe_ffn_hidden_size) if m.is_moe else 0,
         shared_ffn=shared_ffn, router_params=h * m.num_experts,
         total_params=pc["total"], active_params=pc["active"],
+        # multi-token prediction: modules after the last layer, each a layer of its kind (MoE or dense)
+        mtp_layers=m.mtp_num_layers, mtp_moe=float(m.mtp_layer_is_moe),
     )
     return {k: np.float32(v) for k, v in vals.items()}
 

@@ -5,7 +5,8 @@ Source: [N21] Narayanan et al. 2021, eq. 3 generalized: 2 FLOPs per parameter pe
 every GEMM (GQA, gated MLPs, top-k experts, shared experts and the router counted by their weights),
 causal attention 2 * (s/2) * a * (d_qk + d_v) per token and layer forward (a sliding-window layer: the
 mask's w(w+1)/2 + (s-w)w visible pairs per sequence, as Megatron-Bridge's GPT-OSS FLOPs count them), the
-output layer 2hV; backward = 2x forward. Full recomputation replays the layers' forward, selective the --recompute-modules it names.
+output layer 2hV (per MTP module a layer, a 2h x h projection and the output layer once more); backward = 2x
+forward. Full recomputation replays the layers' forward, selective the --recompute-modules it names.
 LoRA (frozen base weights) skips the weight-gradient half of every GEMM's backward: 4 FLOPs per parameter per
 token, as NeMo's performance tables count LoRA runs (the adapters' FLOPs, well under 1 %, are left out).
 """
@@ -52,7 +53,7 @@ def full_attention_extra_per_token(M: dict, J: dict, passes=3.0):
     layer. NVIDIA's formulas counted attention that way until 2025 (Megatron-LM num_floating_point_operations: the
     s/h term, halved for the causal mask in 8873b55d6a, 2025-03-06; NeMo's flops_formulas 12 s/h before their
     causal_self_attn factor; [N21] eq. 3's s/6h, 4 passes)."""
-    return passes * M["layers"] * layer_flops(None, M, J).core_attention
+    return passes * (M["layers"] + M["mtp_layers"]) * layer_flops(None, M, J).core_attention
 
 
 def step_flops(S: Shapes, M: dict, J: dict, recomputed_share):
@@ -64,12 +65,16 @@ def step_flops(S: Shapes, M: dict, J: dict, recomputed_share):
     tokens = J["global_batch"] * J["seq_len"]
     core = lf.core_attention
     gemm_passes = 3.0 - J["lora"]                  # forward, input gradient, weight gradient (frozen: none)
-    model = (M["layers"] * (gemm_passes * (per_layer - core) + 3.0 * core)
-             + gemm_passes * 2.0 * M["hidden"] * M["vocab"]) * tokens
+    # each MTP module: a layer of the last layer's kind, its 2h -> h projection and one more pass through the
+    # output layer (Megatron-LM num_floating_point_operations: logits x (1 + mtp_num_layers); its norms' 3h left out)
+    mtp_layer = M["mtp_moe"] * lf.moe + (1.0 - M["mtp_moe"]) * lf.dense
+    mtp = M["mtp_layers"] * (gemm_passes * (mtp_layer - core + 4.0 * h_ * h_) + 3.0 * core)
+    model = (M["layers"] * (gemm_passes * (per_layer - core) + 3.0 * core) + mtp
+             + gemm_passes * 2.0 * M["hidden"] * M["vocab"] * (1.0 + M["mtp_layers"])) * tokens
     r = S.rec_mod
     shared = 2.0 * M["shared_ffn"] * h_ * (2.0 + M["gated"])
     selective = (r.core_attn * lf.core_attention + (1.0 - fm) * r.mlp * 2.0 * M["dense_mlp_params"]
                  + fm * (r.moe * (lf.moe - lf.dense + 2.0 * M["dense_mlp_params"])
                          + (1.0 - r.moe) * r.shared_experts * shared))
-    replay = M["layers"] * (recomputed_share * per_layer + selective)
+    replay = (M["layers"] + M["mtp_layers"]) * (recomputed_share * per_layer + selective)
     return model, model + replay * tokens

@@ -41,16 +41,20 @@ class StageParams(NamedTuple):
     expert: object           # this rank's share of expert parameters
 
 
-def stage_params(S: Shapes, M: dict, n, holds_ends) -> StageParams:
+def stage_params(S: Shapes, M: dict, n, holds_ends, holds_mtp=0.0) -> StageParams:
     """Parameters of a rank with n layers: layers / tp (experts / (ep*etp)), plus the embedding on
     the first rank and the output layer on the last (a copy when tied; one rank holds both when
-    pp = 1, unless they are tied)."""
+    pp = 1, unless they are tied). The rank of the MTP modules (n counts their layers) adds their
+    eh_proj (2h x h, column-parallel) and, apart from the first rank, an embedding of its own for the
+    next tokens (Megatron-Core GPTModel builds one where mtp_process; tied, it is the output layer's)."""
     h, fm = M["hidden"], S.frac_moe
     layer = M["attn_params"] + (1.0 - fm) * M["dense_mlp_params"] \
         + fm * (M["shared_ffn"] * h * (2.0 + M["gated"]) + M["router_params"])
     single = (S.pp == 1).astype(jnp.float32)
     emb = M["vocab"] * h / S.tp * (1.0 + single * (1.0 - M["tied"]))
-    return StageParams(n * layer / S.tp + holds_ends * emb,
+    mtp = holds_mtp * (M["mtp_layers"] * 2.0 * h * h / S.tp
+                       + (M["mtp_layers"] > 0) * (1.0 - single) * (1.0 - M["tied"]) * M["vocab"] * h / S.tp)
+    return StageParams(n * layer / S.tp + holds_ends * emb + mtp,
                        n * fm * M["experts"] * M["expert_params"] / (S.ep * S.etp))
 
 
@@ -230,7 +234,8 @@ def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataPa
     logits_in_flight = jnp.where((J["gpipe"] > 0) & (S.pp > 1), in_flight, 1.0)
     # one micro-batch's logits are freed after the output layer's backward, before the backward reaches
     # the layers, so they are never live with a re-materialized layer and its gradients
-    logits = holds_logits * logits_bytes(S, M, J)
+    # each MTP module's loss keeps logits of its own until the backward [MC process_mtp_loss]
+    logits = holds_logits * logits_bytes(S, M, J) * (1.0 + M["mtp_layers"])
     activations = act_stage * in_flight + (logits_in_flight - 1.0) * logits \
         + jnp.maximum(logits, acts.working + acts.backward)
     dynamic = weights + gradients + optimizer + activations + tp_buffer_bytes(S, M, J)

@@ -37,8 +37,8 @@ def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head, sync):
     fm, r = S.frac_moe, S.rec_mod
     fb_layer = (1.0 - fm) * (lt.fwd_dense + lt.bwd_dense) + fm * (lt.fwd_moe + lt.bwd_moe)
     full_layer = (1.0 - fm) * (lt.fwd_dense - w.remat_skip_dense) + fm * (lt.fwd_moe - w.remat_skip_moe)
-    head_tp = 2.0 * lc.tp_pair                           # the output layer's TP collectives
-    head_compute = hw_head.logits_fwd_bwd + hw_head.loss
+    head_tp = 2.0 * lc.tp_pair * hw_head.outputs         # the output layer's TP collectives, per pass through it
+    head_compute = hw_head.logits_fwd_bwd + hw_head.loss + hw_head.mtp
     return dict(
         compute=n * fb_layer + embed * hw_head.embedding + head * head_compute,
         ends=embed * hw_head.embedding + head * (head_compute + head_tp),
@@ -86,8 +86,9 @@ def _moe_shares(S, M, st):
     fm, dense_first = S.frac_moe, M["dense_first"]
     d1 = jnp.minimum(dense_first, st.first / S.vpp)
     fm1 = jnp.where(dense_first > 0, 1.0 - d1 / st.first, fm)
-    rest = jnp.maximum(M["layers"] - st.first, 1.0)
-    fm_rest = jnp.clip((M["moe_layers"] - (st.first - d1)) / rest, 0.0, 1.0)
+    # MTP layers (of the last layer's kind) count with the ranks after the first
+    rest = jnp.maximum(M["layers"] + M["mtp_layers"] - st.first, 1.0)
+    fm_rest = jnp.clip((M["moe_layers"] + M["mtp_layers"] * M["mtp_moe"] - (st.first - d1)) / rest, 0.0, 1.0)
     return fm1, jnp.where((dense_first > 0) & (S.pp > 1), fm_rest, fm)
 
 
@@ -133,8 +134,9 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     pp_comm = comm.pipeline_p2p_s(S, M, H, t_max, e)
 
     # ---- parameters per stage; data parallelism and the optimizer of the biggest one ----
-    params = [memory.stage_params(Sx, M, n, ends) for Sx, n, ends in ((S1, st.first, 1.0), (S, st.mid, 0.0),
-                                                                      (S, st.last, 1.0))]
+    params = [memory.stage_params(Sx, M, n, ends, mtp) for Sx, n, ends, mtp in ((S1, st.first, 1.0, st.single),
+                                                                                (S, st.mid, 0.0, 0.0),
+                                                                                (S, st.last, 1.0, 1.0))]
     biggest = pipeline.largest(*(p.dense + p.expert for p in params), st.has_mid)
     # what gets gradients (with LoRA the adapters only; the base is frozen: memory.trainable_params)
     trained = [memory.trainable_params(Sx, M, J, n, p) for Sx, n, p in zip((S1, S, S), (st.first, st.mid, st.last),

@@ -29,10 +29,17 @@ class Stages(NamedTuple):
 
 
 def stages(S: Shapes, P: dict, M: dict) -> Stages:
-    n_first, n_mid, n_last = stage_layers(M["layers"], S.pp, S.vpp, P["first_layers"], P["last_layers"], jnp,
-                                          acc_embedding=P["account_for_embedding"], acc_loss=P["account_for_loss"],
-                                          layout=P["layout"])
-    return Stages(n_first, n_mid, n_last, (S.pp > 2).astype(jnp.float32), (S.pp == 1).astype(jnp.float32))
+    """MTP layers sit where a layout puts them ('m', counted in its ranks' layers), else on the last rank
+    [MC multi_token_prediction.py mtp_on_this_rank]."""
+    has_layout = (P["layout"] > 0).astype(jnp.float32)
+    mtp = M["mtp_layers"]
+    n_first, n_mid, n_last = stage_layers(M["layers"] + has_layout * mtp, S.pp, S.vpp, P["first_layers"],
+                                          P["last_layers"], jnp, acc_embedding=P["account_for_embedding"],
+                                          acc_loss=P["account_for_loss"], layout=P["layout"])
+    single = (S.pp == 1).astype(jnp.float32)
+    on_last = (1.0 - has_layout) * mtp
+    return Stages(n_first + single * on_last, n_mid + single * on_last, n_last + on_last,
+                  (S.pp > 2).astype(jnp.float32), single)
 
 
 def recomputed_layers(S: Shapes, P: dict, n):

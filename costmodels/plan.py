@@ -239,8 +239,9 @@ class LayoutSplit:
         return max(self.layers_per_rank[1:-1], default=0)
 
 
-def parse_layout(text: str, pp: int, num_layers: int) -> LayoutSplit:
-    """Check a layout against Megatron-Core's rules (validate_layer_layout) for this pp and model."""
+def parse_layout(text: str, pp: int, num_layers: int, mtp_layers: int = 0) -> LayoutSplit:
+    """Check a layout against Megatron-Core's rules (validate_layer_layout) for this pp and model (with
+    `mtp_layers` MTP modules)."""
     stages = expand_layout(text)
     if len(stages) % pp:
         raise SpecError("plan.layout", f"has {len(stages)} stages, not a multiple of pp={pp}")
@@ -252,8 +253,17 @@ def parse_layout(text: str, pp: int, num_layers: int) -> LayoutSplit:
     if flat.count("t") != num_layers:
         raise SpecError("plan.layout", f"holds {flat.count('t')} transformer layers 't', the model has "
                         f"{num_layers}")
+    if flat.count("m") != mtp_layers:
+        raise SpecError("plan.layout", f"holds {flat.count('m')} MTP layers 'm', the model has {mtp_layers} "
+                        "(mtp_num_layers)")
     if "m" in flat and "t" in flat[flat.index("m"):]:
         raise SpecError("plan.layout", "MTP layers 'm' must come after every transformer layer 't'")
+    for chunks in (stages[i::pp] for i in range(pp)):    # each pp rank's virtual stages, in order
+        if any("m" in c for c in chunks[:-1]):
+            raise SpecError("plan.layout", "MTP layers 'm' must sit in the last virtual stage of their rank "
+                            "(Megatron-Core validate_layer_layout)")
+        if "m" in chunks[-1] and chunks[-1].count("m") != mtp_layers:
+            raise SpecError("plan.layout", "all MTP layers 'm' must sit in one virtual stage")
     per_rank = [0] * pp
     for i, st in enumerate(stages):
         per_rank[i % pp] += st.count("t") + st.count("m")

@@ -194,6 +194,8 @@ _DEEPSEEK: _KeyTable = _DECODER | {
     "qk_nope_head_dim": (("qk_nope_head_dim",), _REQUIRED),
     "qk_rope_head_dim": (("qk_rope_head_dim",), _REQUIRED),
     "v_head_dim": (("v_head_dim",), _REQUIRED),
+    # DeepseekV3Config: MTP modules (DeepSeek-V3 trains with 1; absent in V2)
+    "mtp_num_layers": (("num_nextn_predict_layers",), 0),
 }
 
 

@@ -156,6 +156,10 @@ class ModelSpec:
     # Megatron's --position-embedding-type: rope, yarn (YaRN-scaled RoPE as its own embedding: GPT-OSS;
     # MLA models apply YaRN inside plain "rope") or learned_absolute (GPT-2/3)
     position_embedding: str = "rope"
+    # multi-token prediction (DeepSeek-V3 sec. 2.2; Megatron --mtp-num-layers, HF num_nextn_predict_layers): D
+    # sequential modules after the last layer, each a transformer layer of the last layer's kind (MoE when it is
+    # MoE), two RMSNorms and a 2h -> h projection, with a second pass through the shared output layer and loss
+    mtp_num_layers: int = 0
     source: str = ""
 
     def __post_init__(self):
@@ -172,8 +176,12 @@ class ModelSpec:
                             f"a multiple of num_kv_heads={self.num_kv_heads}")
         for f in ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts",
                   "shared_expert_ffn_hidden_size", "first_k_dense_layers", "q_lora_rank",
-                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window"):
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "sliding_window",
+                  "mtp_num_layers"):
             _non_negative(f, getattr(self, f))
+        if self.mtp_num_layers > self.num_layers:
+            raise SpecError("mtp_num_layers", f"must be at most num_layers={self.num_layers} (each MTP module is "
+                            f"one more layer after the last), got {self.mtp_num_layers}")
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise SpecError("position_embedding", f"must be one of {', '.join(POSITION_EMBEDDINGS)}, "
                             f"got {self.position_embedding!r}")
@@ -247,8 +255,25 @@ class ModelSpec:
             self.shared_expert_ffn_hidden_size or self.moe_ffn_hidden_size)
         return shared + self.hidden_size * self.num_experts
 
+    @property
+    def mtp_layer_is_moe(self) -> bool:
+        """An MTP module's transformer layer is of the last layer's kind (Megatron-Core's MTP block spec takes the
+        decoder's last layer spec; training.py num_floating_point_operations: last_layer_is_moe)."""
+        return self.is_moe and (self.num_layers - 1 - self.first_k_dense_layers) % self.moe_layer_freq == 0
+
+    def mtp_params(self) -> int:
+        """Unique weights of the MTP modules (the embedding and output layer are the main model's, shared):
+        per module a transformer layer, enorm + hnorm + final norm (3h) and eh_proj (2h x h) [Megatron-Core
+        multi_token_prediction.py MultiTokenPredictionLayer]. DeepSeek-V3: 11.5B (README_WEIGHTS.md)."""
+        h = self.hidden_size
+        mlp = (self.expert_params_per_layer() + self.moe_dense_params_per_layer() if self.mtp_layer_is_moe
+               else self.mlp_params(self.ffn_hidden_size))
+        layer = self.attention_params() + mlp + 2 * h
+        return self.mtp_num_layers * (layer + 3 * h + 2 * h * h)
+
     def param_counts(self) -> dict:
-        """Total and active (per token) parameters, embeddings included."""
+        """Total and active (per token) parameters of the main model, embeddings included; "mtp": the MTP
+        modules' own (not in the total, as published counts leave them out: DeepSeek-V3's 671B)."""
         L, h, V = self.num_layers, self.hidden_size, self.vocab_size
         n_moe = self.num_moe_layers
         n_dense = L - n_moe
@@ -262,7 +287,7 @@ class ModelSpec:
         active_experts = (self.experts_per_token * self.mlp_params(self.moe_ffn_hidden_size) * n_moe
                           if self.is_moe else 0)
         active = emb + attn + dense_mlp + active_experts + moe_dense + norms
-        return {"total": total, "active": active, "experts": experts, "embedding": emb}
+        return {"total": total, "active": active, "experts": experts, "embedding": emb, "mtp": self.mtp_params()}
 
 
 @dataclass(frozen=True, kw_only=True)

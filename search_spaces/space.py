@@ -143,7 +143,9 @@ def _mb(a, p):
 
 
 def _stages(a, p):
-    return stage_layers(p.model.num_layers, a["pp"], a["vpp"], a["first_layers"], a["last_layers"],
+    # a layout's ranks count its MTP layers 'm' (plan.parse_layout)
+    layers = p.model.num_layers + (a["layout"] > 0) * p.model.mtp_num_layers
+    return stage_layers(layers, a["pp"], a["vpp"], a["first_layers"], a["last_layers"],
                         acc_embedding=a["account_for_embedding"], acc_loss=a["account_for_loss"], layout=a["layout"])
 
 
@@ -422,7 +424,7 @@ def check_plan(plan: Plan, problem: Problem) -> None:
     if plan.layout:
         if plan.first_layers or plan.last_layers:
             raise SpecError("plan (layout)", "a layout cannot be combined with first_layers/last_layers")
-        split = parse_layout(plan.layout, plan.pp, problem.model.num_layers)
+        split = parse_layout(plan.layout, plan.pp, problem.model.num_layers, problem.model.mtp_num_layers)
         if split.vpp != plan.vpp:
             raise SpecError("plan (layout)", f"the layout has {split.vpp} virtual stages per rank "
                             f"({split.vpp * plan.pp} stages over pp={plan.pp}) but vpp={plan.vpp}")
@@ -539,7 +541,7 @@ def enumerate_legal(problem: Problem, fixed: dict | None = None,
         layout = str(fixed.pop("layout"))
         if "pp" not in fixed:
             raise SpecError("plan.layout", "a layout needs a fixed pp")
-        split = parse_layout(layout, int(fixed["pp"]), problem.model.num_layers)
+        split = parse_layout(layout, int(fixed["pp"]), problem.model.num_layers, problem.model.mtp_num_layers)
         fixed.update(first_layers=split.first, last_layers=split.last, vpp=split.vpp)
         layouts = (layout,)
     dom = domains(problem, fixed)

@@ -59,7 +59,7 @@ def test_ep_on_a_dense_model_is_illegal():
 def test_published_moe_plans_are_legal():
     p = api.build_problem(model="deepseek-v3", gpu="h800", gpus=2048, global_batch=15360, seq_len=4096)
     # DeepSeek-V3's 61 layers do not split over pp=16: Megatron-Bridge gives it a layout
-    check_plan(Plan(tp=1, pp=16, dp=128, ep=64, mbs=1, zero=1, layout="Et*4|(t*4|)*14tL"), p)
+    check_plan(Plan(tp=1, pp=16, dp=128, ep=64, mbs=1, zero=1, layout="Et*4|(t*4|)*14tmL"), p)
     q = api.build_problem(model="qwen3-235b-a22b", gpu="gb200", gpus=256, global_batch=8192, seq_len=4096)
     # Qwen3-235B's 94 layers + embedding + loss over pp=8 x vpp=3 (Megatron-Bridge's accounting)
     check_plan(Plan(tp=1, pp=8, dp=32, ep=32, vpp=3, mbs=1, zero=1, account_for_embedding=True,

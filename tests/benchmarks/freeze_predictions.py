@@ -45,7 +45,7 @@ CASES = [
      "tp=1,pp=2,ep=8,mbs=2,recompute=full,zero=1,account_for_embedding=true,account_for_loss=true"),
     (dict(model="deepseek-v3", gpu="h800", gpus=2048, global_batch=15360, seq_len=4096, precision="fp8"),
      "tp=1,pp=16,ep=64,mbs=1,recompute=selective,recompute_modules=core_attn+layernorm+moe_act,zero=1,"
-     "layout=Et*4|(t*4|)*14tL"),
+     "layout=Et*4|(t*4|)*14tmL"),
     (dict(model="llama3-70b", gpu="h100", gpus=1024, global_batch=1024, seq_len=8192, cluster_file="two-sites"),
      "tp=8,pp=8,mbs=1,recompute=selective,sp=true,zero=1"),
     (dict(model="llama2-7b", gpu="a100-80gb", gpus=8, global_batch=64, seq_len=4096),
