@@ -286,6 +286,10 @@ def megatron_log_job(text: str) -> dict:
         v = args.get(name)
         if v is not None and re.fullmatch(r"\d+", v.strip()):
             out[key] = int(v)
+    # the MTP modules the run built (Megatron's default None: none)
+    mtp = args.get("mtp_num_layers")
+    if mtp is not None and (mtp.strip() == "None" or re.fullmatch(r"\d+", mtp.strip())):
+        out["mtp_num_layers"] = 0 if mtp.strip() == "None" else int(mtp)
     return out
 
 
@@ -346,7 +350,9 @@ def calibrate_megatron_log(path: str, *, model: str, gpu: str, gpus: int | None 
         global_batch = job.get("global_batch", gbs[-1] if gbs else None)
     problem = build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch,
                             seq_len=seq_len if seq_len is not None else job.get("seq_len"), precision=precision,
-                            gpus_per_node=gpus_per_node)
+                            gpus_per_node=gpus_per_node, framework={"mtp_num_layers": job.get("mtp_num_layers")})
+    if "mtp_num_layers" in job:
+        read.append("mtp_num_layers")
     if plan:
         the_plan = plan_from_text(plan, problem)
         for knob in ("tp", "pp", "dp", "cp"):

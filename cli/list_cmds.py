@@ -25,7 +25,7 @@ def model_rows() -> list[dict]:
                      "active_parameters": counts["active"], "layers": m.num_layers, "hidden_size": m.hidden_size,
                      "attention_heads": m.num_attention_heads, "kv_heads": m.num_kv_heads,
                      "experts": m.num_experts, "experts_per_token": m.experts_per_token,
-                     "context": m.max_seq_len, "source": m.source})
+                     "mtp_num_layers": m.mtp_num_layers, "context": m.max_seq_len, "source": m.source})
     return rows
 
 
@@ -70,7 +70,8 @@ def models(as_json: JsonOpt = False) -> int:
         "Model presets (--model NAME, or a Hugging Face config.json)",
         [("name", "left"), ("kind", "left"), ("params", "right"), ("active", "right"), ("layers", "right"),
          ("hidden", "right"), ("heads/kv", "right"), ("experts", "right"), ("context", "right")],
-        [[r["name"], r["kind"], _billions(r["parameters"]), _billions(r["active_parameters"]), f"{r['layers']:,}",
+        [[r["name"], r["kind"], _billions(r["parameters"]), _billions(r["active_parameters"]),
+          f"{r['layers']:,}" + (f" + {r['mtp_num_layers']} MTP" if r["mtp_num_layers"] else ""),
           f"{r['hidden_size']:,}", f"{r['attention_heads']}/{r['kv_heads']}",
           f"{r['experts_per_token']} of {r['experts']}" if r["experts"] else "-", f"{r['context']:,}"]
          for r in rows]))

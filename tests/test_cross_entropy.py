@@ -47,7 +47,7 @@ def test_the_loss_moves_the_counted_bytes(fw, golden):
     _, J = _job(**fw)
     assert float(J["loss_bytes"]) == golden
     S = SimpleNamespace(tokens=np.float32(4096.0), tp=np.float32(2.0))
-    M, H, e = {"vocab": 128256.0, "hidden": 4096.0}, {"hbm_bw": 3.35e12}, EfficiencyParams(hbm_eff=0.9)
+    M, H, e = {"vocab": 128256.0, "hidden": 4096.0, "mtp_layers": 0.0}, {"hbm_bw": 3.35e12}, EfficiencyParams(hbm_eff=0.9)
     gemm = {"peak_gemm": 989e12, "matmul_frac": 0.8, "gemm_bytes": 2.0, "low_precision": 0.0}
     loss = float(compute.head_work(S, M, H, {**J, **gemm}, e).loss)
     assert loss == pytest.approx(4096 * 128256 / 2 * golden / (3.35e12 * 0.9), rel=1e-5)
@@ -81,9 +81,10 @@ def test_a_larger_vocabulary_never_costs_less(vocab, extra):
     for kind, b in compute.LOSS_BYTES_PER_LOGIT.items():
         J = {"loss_bytes": np.float32(b), "peak_gemm": 312e12, "matmul_frac": 0.86, "gemm_bytes": 2.0,
              "low_precision": 0.0, "lora": 0.0}
-        small = compute.head_work(S, {"vocab": float(vocab), "hidden": 1024.0}, H, J, e)
-        large = compute.head_work(S, {"vocab": float(vocab + extra), "hidden": 1024.0}, H, J, e)
+        small = compute.head_work(S, {"vocab": float(vocab), "hidden": 1024.0, "mtp_layers": 1.0}, H, J, e)
+        large = compute.head_work(S, {"vocab": float(vocab + extra), "hidden": 1024.0, "mtp_layers": 1.0}, H, J, e)
         assert float(large.loss) >= float(small.loss) and float(large.logits_fwd) >= float(small.logits_fwd)
+        assert float(large.mtp) >= float(small.mtp)
 
 
 def _args(**fw):

@@ -176,3 +176,14 @@ def test_exports_carry_or_refuse_mtp():
     assert off.model.mtp_num_layers == 0
     assert "--mtp-num-layers" not in export("megatron", plan, off).text
     assert "model.mtp_num_layers=null" in export("bridge", plan, off).text
+
+
+@pytest.mark.parametrize("value, expected", [("1", 1), ("None", 0)])
+def test_a_megatron_log_says_whether_the_run_built_mtp(value, expected):
+    from autotune.measurements import megatron_log_job
+    log = ("------------------------ arguments ------------------------\n"
+           f"  mtp_num_layers .................................. {value}\n"
+           "  world_size ...................................... 8\n"
+           "-------------------- end of arguments ---------------------\n")
+    job = megatron_log_job(log)
+    assert job["mtp_num_layers"] == expected and job["world_size"] == 8
