@@ -555,7 +555,10 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
     if plan.layout:
         o += [("model.pipeline_model_parallel_layout", plan.layout)]
     else:
-        o += [("model.virtual_pipeline_model_parallel_size", plan.vpp if plan.vpp > 1 else "null")]
+        # a recipe's own layout (Bridge's DeepSeek-V3 recipe builds one for its default pp / vpp) would override
+        # the plan's split: none
+        o += [("model.pipeline_model_parallel_layout", "null"),
+              ("model.virtual_pipeline_model_parallel_size", plan.vpp if plan.vpp > 1 else "null")]
         if plan.first_layers:
             o += [("model.num_layers_in_first_pipeline_stage", plan.first_layers)]
         if plan.last_layers:

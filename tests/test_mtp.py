@@ -19,6 +19,7 @@ from costmodels.plan import Plan, parse_layout
 from costmodels.presets import load_model, model_from_hf_config
 from costmodels.specs import SpecError
 from tests.test_cli import assert_one_line_error, run
+from tests.test_export import NAMES
 
 
 def test_deepseek_v3_mtp_module_parameters_match_the_published_count():
@@ -168,7 +169,15 @@ def test_exports_carry_or_refuse_mtp():
                                 precision="bf16")
     plan = Plan(tp=1, pp=2, dp=128, ep=32, mbs=1, zero=1, account_for_embedding=True)
     assert "--mtp-num-layers 1" in export("megatron", plan, problem).text
-    assert "model.mtp_num_layers=1" in export("bridge", plan, problem).text
+    bridge = export("bridge", plan, problem)
+    assert "model.mtp_num_layers=1" in bridge.text
+    # no layout in the plan: the recipe's own (Bridge's DeepSeek-V3 recipe builds one) is switched off
+    assert "model.pipeline_model_parallel_layout=null" in bridge.text
+    # every option name exists in the framework (the name lists read from its sources)
+    for target in ("megatron", "bridge"):
+        assert set(export(target, plan, problem).options) <= NAMES[target]
+    maxtext = export("maxtext", Plan(tp=1, pp=1, dp=256, ep=32, mbs=1, zero=1), problem)
+    assert "mtp_num_layers: 1" in maxtext.text and set(maxtext.options) <= NAMES["maxtext"]
     with pytest.raises(ExportRefused, match="mtp_num_layers"):
         export("torchtitan", Plan(tp=1, pp=1, dp=256, ep=32, mbs=1, zero=3), problem)
     off = api.build_problem(model="deepseek-v3", gpu="h100", gpus=256, global_batch=512, seq_len=4096,
