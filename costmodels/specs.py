@@ -790,6 +790,22 @@ class FrameworkSpec:
         if CudaGraphModule.MAMBA in mods:
             raise SpecError("cuda_graph_modules", f"mamba captures Mamba layers and {model.name} has none")
 
+    def check_mtp_for(self, model: "ModelSpec") -> None:
+        """Multi-token prediction where the framework runs it: Megatron-Core takes it with RoPE (or no) position
+        embeddings only (arguments.py validate_args) and at most one module under batch-level EP overlap
+        (transformer_config.py); Megatron-DeepSpeed has none."""
+        n = model.mtp_num_layers
+        if not n:
+            return
+        if self.framework is Framework.DEEPSPEED:
+            raise SpecError("mtp_num_layers", "Megatron-DeepSpeed has no multi-token prediction; use --mtp-num-layers 0")
+        if self.framework is Framework.MEGATRON and model.position_embedding != "rope":
+            raise SpecError("mtp_num_layers", f"Megatron-Core runs multi-token prediction with RoPE only; {model.name} "
+                            f"uses {model.position_embedding} positions; use --mtp-num-layers 0")
+        if self.overlap_moe_expert_parallel_comm and n > 1:
+            raise SpecError("mtp_num_layers", f"Megatron-Core runs at most one MTP module with "
+                            f"--overlap-moe-expert-parallel-comm, got {n}")
+
     @property
     def grad_bytes_per_param(self) -> float:
         """Main-gradient buffer bytes per parameter (also the bytes the DP reduction moves)."""

@@ -34,6 +34,7 @@ class Problem:
 
     def __post_init__(self):
         self.job.framework.check_cuda_graphs_for(self.model)   # modules the model must have
+        self.job.framework.check_mtp_for(self.model)           # MTP where the framework runs it
         self.job.check_fp8_recipe_for(self.cluster.gpu)          # an fp8 recipe the GPU runs
 
 

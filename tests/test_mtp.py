@@ -196,3 +196,22 @@ def test_a_megatron_log_says_whether_the_run_built_mtp(value, expected):
            "-------------------- end of arguments ---------------------\n")
     job = megatron_log_job(log)
     assert job["mtp_num_layers"] == expected and job["world_size"] == 8
+
+
+@pytest.mark.parametrize("model, framework, needle", [
+    ("gpt-oss-120b", {"mtp_num_layers": 1}, "RoPE only"),
+    ("gpt3-175b", {"mtp_num_layers": 1}, "RoPE only"),
+    ("llama3-8b", {"mtp_num_layers": 1, "framework": "deepspeed"}, "Megatron-DeepSpeed"),
+    ("deepseek-v3", {"mtp_num_layers": 2, "overlap_moe_expert_parallel_comm": True}, "at most one MTP module"),
+])
+def test_mtp_where_megatron_refuses_it(model, framework, needle):
+    """Megatron-LM's validate_args and TransformerConfig refuse these; so does the problem, naming the field."""
+    with pytest.raises(SpecError, match=needle) as err:
+        api.build_problem(model=model, gpu="h100", gpus=64, global_batch=256, seq_len=4096, framework=framework)
+    assert err.value.field == "mtp_num_layers"
+
+
+def test_mtp_with_ep_overlap_and_one_module_is_fine():
+    problem = api.build_problem(model="deepseek-v3", gpu="h100", gpus=256, global_batch=512, seq_len=4096,
+                                framework={"overlap_moe_expert_parallel_comm": True})
+    assert problem.model.mtp_num_layers == 1
