@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import threading
 import time
 import warnings
@@ -208,6 +209,22 @@ def _heartbeat(storage, study, trial):
         th.join()
 
 
+@contextlib.contextmanager
+def _sigint_raises():
+    """SIGINT raises KeyboardInterrupt while the worker runs, also in a process started with it ignored (a
+    background `cmd &` without job control, where Python installs no handler), as the cost-model worker's own
+    handler does (ask_tell._Interrupt); the old disposition comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def run_verification_worker(storage_url: str, study_name: str, *, n_trials: int | None = None,
                             runner: str | None = None, megatron_path: str | None = None,
                             launcher: str | None = None, seed: int | None = None, waiting_only: bool = False,
@@ -258,43 +275,44 @@ def run_verification_worker(storage_url: str, study_name: str, *, n_trials: int 
     runs = proposals = 0
     interrupted = False
     t0 = time.perf_counter()
-    try:
-        while (n_trials is None or runs < n_trials) and (
-                n_trials is None or proposals < n_trials * MAX_PROPOSALS_PER_RUN):
-            if waiting_only and not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-                break
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")     # "heartbeat is supposed to be used with optimize": we beat
-                trial = study.ask()
-            proposals += 1
-            try:
-                entry = _run_trial(study, storage, trial, space, problem, params, spec.memory_limit_gb, run, devices,
-                                   log_dir, me, waiting_only)
-            except KeyboardInterrupt:           # before or after the run itself (predicting, telling)
-                _interrupted(study, trial, space)
-                interrupted = True
-                break
-            if entry is None:
-                continue
-            if entry.get("ran"):
-                runs += 1
-            if entry.get("record") is not None:
-                records.append(entry.pop("record"))
-                if out:     # a name of its own first (workers sharing a folder), then rewritten in place
-                    saved = write_text_atomic(saved or os.path.join(out, f"verify_{study_name}_{stamp}.json"),
-                                              dumps_json(records) + "\n", "out", exclusive=saved is None)
-            entries.append(entry)
-            if on_result:
-                on_result(entry)
-            if entry["status"] == "interrupted":
-                interrupted = True
-                break
-    except KeyboardInterrupt:
-        interrupted = True
-    except Exception as exc:
-        if is_storage_error(exc):
-            raise storage_error(exc, storage_url) from None
-        raise
+    with _sigint_raises():       # kill -INT stops a worker started with SIGINT ignored (`cmd &`) too
+        try:
+            while (n_trials is None or runs < n_trials) and (
+                    n_trials is None or proposals < n_trials * MAX_PROPOSALS_PER_RUN):
+                if waiting_only and not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+                    break
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")     # "heartbeat is supposed to be used with optimize": we beat
+                    trial = study.ask()
+                proposals += 1
+                try:
+                    entry = _run_trial(study, storage, trial, space, problem, params, spec.memory_limit_gb, run,
+                                       devices, log_dir, me, waiting_only)
+                except KeyboardInterrupt:           # before or after the run itself (predicting, telling)
+                    _interrupted(study, trial, space)
+                    interrupted = True
+                    break
+                if entry is None:
+                    continue
+                if entry.get("ran"):
+                    runs += 1
+                if entry.get("record") is not None:
+                    records.append(entry.pop("record"))
+                    if out:     # a name of its own first (workers sharing a folder), then rewritten in place
+                        saved = write_text_atomic(saved or os.path.join(out, f"verify_{study_name}_{stamp}.json"),
+                                                  dumps_json(records) + "\n", "out", exclusive=saved is None)
+                entries.append(entry)
+                if on_result:
+                    on_result(entry)
+                if entry["status"] == "interrupted":
+                    interrupted = True
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+        except Exception as exc:
+            if is_storage_error(exc):
+                raise storage_error(exc, storage_url) from None
+            raise
     return {"study": study_name, "storage": redact_url(storage_url), "worker": me, "runner": run.runner,
             "steps": run.steps, "runs": runs, "proposals": proposals, "interrupted": interrupted,
             "zombies_failed": zombies, "elapsed_s": time.perf_counter() - t0, "entries": entries, "saved": saved,

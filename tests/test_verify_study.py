@@ -253,7 +253,8 @@ def test_sigint_to_a_worker_process_keeps_the_finished_run(checkout, tmp_path):
                             storage_url=url, study_name="s", k=3,
                             top=_top(problem, "tp=2,mbs=1,recompute=selective,zero=1", "tp=4,mbs=1", "tp=2,pp=2,mbs=2"))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               FAKE_MEGATRON_SLEEP_S="2.0", JAX_PLATFORMS="cpu")
+               FAKE_MEGATRON_SLEEP_S="0.5", JAX_PLATFORMS="cpu")
+    # started from a suite run in the background (`cmd &`), the worker inherits SIGINT ignored: it must stop anyway
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "worker", "--storage", url, "--study", "s", "--trials",
                              "3", "--out", str(tmp_path / "m")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=str(tmp_path))
