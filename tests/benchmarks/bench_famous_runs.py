@@ -9,6 +9,7 @@ they serve as a sanity check out of sample, never as a fit target. README "Megat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -65,11 +66,63 @@ def rows() -> list:
     return out
 
 
+#: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (arXiv:2412.19437): 2048 H800 (sec. 3.1), 16-way pipeline, 64-way
+#: expert parallelism over 8 nodes, ZeRO-1 data parallelism, no tensor parallelism (sec. 3.2), DualPipe, RMSNorm and
+#: MLA up-projections recomputed (sec. 3.2.3), fine-grained fp8 (1 x 128 / 128 x 128 scales, sec. 3.3: Megatron's
+#: blockwise recipe), global batch 15,360 x 4,096 after a ramp over the first 469B tokens (sec. 4.2), one MTP module;
+#: "each trillion tokens requires only 180K H800 GPU hours" (sec. 1): 1e12 / (180e3 x 3600) tokens/s per GPU, the
+#: ramp and every stall included
+DEEPSEEK_V3_TOKENS_PER_S_PER_GPU = 1e12 / (180e3 * 3600)
+DEEPSEEK_V3_PLAN = "tp=1,pp=16,ep=64,mbs=1,zero=1,recompute=selective,recompute_modules=layernorm+mla_up_proj"
+#: HAI-LLM is not Megatron-Core: scored with Megatron-Core's defaults, and with DeepEP (which DeepSeek released) as
+#: Megatron-Core's flex dispatcher. DualPipe's overlap of the all-to-alls has no legal Megatron-Core form here: its
+#: --overlap-moe-expert-parallel-comm needs interleaving with pp > 1, and 120 micro-batches per rank do not interleave
+#: over pp 16 (a multiple of pp is required)
+DEEPSEEK_V3_READINGS = {"Megatron-Core defaults (alltoall)": {},
+                        "DeepEP (flex dispatcher)": {"moe_token_dispatcher_type": "flex"}}
+#: DualPipe's nearest as the cost model can score it, outside Megatron-Core's rules (not a plan it would launch):
+#: flex, the EP overlap and two chunks per rank
+DEEPSEEK_V3_DUALPIPE_LIKE = {"moe_token_dispatcher_type": "flex", "overlap_moe_expert_parallel_comm": True}
+
+
+def deepseek_v3() -> list:
+    """DeepSeek-V3's own pretraining, predicted with its published plan (the layout Megatron-Bridge builds for 61
+    layers on pp 16: the MTP module beside the last layer) under each Megatron-Core reading."""
+    from autotune import api
+    from autotune.problem import plan_from_text
+    from costmodels.plan import balanced_layout
+
+    out = []
+    for reading, fw in DEEPSEEK_V3_READINGS.items():
+        problem = api.build_problem(model="deepseek-v3", gpu="h800", gpus=2048, global_batch=15360, seq_len=4096,
+                                    precision="fp8", framework={"fp8_recipe": "blockwise", **fw})
+        plan = plan_from_text(f"{DEEPSEEK_V3_PLAN},layout={balanced_layout(61, 16, 1, 1)}", problem)
+        p = api.predict(problem, plan)
+        out.append({"id": "deepseek-v3-2048gpu", "reading": reading, "plan": str(plan),
+                    "measured_tokens_per_s_per_gpu": DEEPSEEK_V3_TOKENS_PER_S_PER_GPU,
+                    "predicted_tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"], "memory_gb": p["memory_gb"]["total"],
+                    "error_pct": 100.0 * (p["tokens_per_s_per_gpu"] / DEEPSEEK_V3_TOKENS_PER_S_PER_GPU - 1.0)})
+    problem = api.build_problem(model="deepseek-v3", gpu="h800", gpus=2048, global_batch=15360, seq_len=4096,
+                                precision="fp8", framework={"fp8_recipe": "blockwise", **DEEPSEEK_V3_DUALPIPE_LIKE})
+    legal = plan_from_text(f"{DEEPSEEK_V3_PLAN},layout={balanced_layout(61, 16, 1, 1)}",
+                           api.build_problem(model="deepseek-v3", gpu="h800", gpus=2048, global_batch=15360,
+                                             seq_len=4096, precision="fp8", framework={"fp8_recipe": "blockwise"}))
+    plan = dataclasses.replace(legal, vpp=2, layout=balanced_layout(61, 16, 2, 1))   # unchecked: outside the rules
+    p = api.predict(problem, plan)
+    out.append({"id": "deepseek-v3-2048gpu", "reading": "DualPipe-like: flex + EP overlap + vpp 2, outside "
+                "Megatron-Core's rules (120 micro-batches do not interleave over pp 16)", "plan": str(plan),
+                "measured_tokens_per_s_per_gpu": DEEPSEEK_V3_TOKENS_PER_S_PER_GPU,
+                "predicted_tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"], "memory_gb": p["memory_gb"]["total"],
+                "error_pct": 100.0 * (p["tokens_per_s_per_gpu"] / DEEPSEEK_V3_TOKENS_PER_S_PER_GPU - 1.0)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     out = validate_rows(rows())
+    out["deepseek_v3"] = deepseek_v3()
     if args.json:
         print(json.dumps(out, indent=1, default=str))
         return
@@ -80,6 +133,10 @@ def main() -> None:
               f"{','.join(r['filled']) or '-'}{'; skipped: ' + r['skipped'] if r['skipped'] else ''}")
     errs = [abs(r["error_pct"]) for r in out["runs"] if r["error_pct"] is not None]
     print(f"MAPE {sum(errs) / len(errs):.1f} % over {len(errs)} runs ({out['tflops']['n']} read from a TFLOP/s figure)")
+    for r in out["deepseek_v3"]:
+        print(f"{r['id']:22s} measured {r['measured_tokens_per_s_per_gpu']:8.1f} tokens/s/GPU, predicted "
+              f"{r['predicted_tokens_per_s_per_gpu']:8.1f}, error {r['error_pct']:+.1f} % ({r['reading']}; "
+              f"{r['memory_gb']:.1f} GB per GPU)")
 
 
 if __name__ == "__main__":
