@@ -29,7 +29,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from costmodels.plan import Plan, expand_layout
+from costmodels.plan import Plan, expand_layout, microbatch_group_size
 from costmodels.specs import (CrossEntropyImpl, CudaGraphImpl, Fp8Recipe, Framework, PipelineSchedule, Precision,
                               Recompute, SpecError)
 from search_spaces.space import Problem, check_plan
@@ -64,6 +64,15 @@ def _microbatches(plan: Plan, problem: Problem) -> int:
 def _even_layers_per_chunk(plan: Plan, problem: Problem) -> int:
     units = problem.model.num_layers + plan.account_for_embedding + plan.account_for_loss
     return units // plan.pp // plan.vpp
+
+
+def _interleave_group(plan: Plan, problem: Problem) -> int | None:
+    """The micro-batch group per virtual stage an interleaved plan needs where pp does not divide its
+    micro-batches (None: Megatron-Core's default, pp)."""
+    if plan.vpp <= 1:
+        return None
+    group = int(microbatch_group_size(_microbatches(plan, problem), plan.pp))
+    return group if group != plan.pp else None
 
 
 def _uneven(plan: Plan) -> bool:
@@ -217,6 +226,9 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
     if fw.overlap_param_gather and fw.overlap_grad_reduce and plan.zero >= 1:    # Megatron asserts both
         a += ["--overlap-param-gather"]
     a += ["--micro-batch-size", plan.mbs, "--global-batch-size", problem.job.global_batch]
+    group = _interleave_group(plan, problem)
+    if group:
+        a += ["--microbatch-group-size-per-virtual-pipeline-stage", group]
     a += _MEGATRON_PRECISION[problem.job.precision]
     recipe = problem.job.fp8_recipe
     if recipe is not None and recipe is not Fp8Recipe.DELAYED:    # delayed is the default (and all older Megatron has)
@@ -559,6 +571,8 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
         # the plan's split: none
         o += [("model.pipeline_model_parallel_layout", "null"),
               ("model.virtual_pipeline_model_parallel_size", plan.vpp if plan.vpp > 1 else "null")]
+    if _interleave_group(plan, problem):
+        o += [("model.microbatch_group_size_per_vp_stage", _interleave_group(plan, problem))]
         if plan.first_layers:
             o += [("model.num_layers_in_first_pipeline_stage", plan.first_layers)]
         if plan.last_layers:
@@ -707,6 +721,11 @@ def torchtitan_config(plan: Plan, problem: Problem) -> dict:
     if problem.model.is_moe:
         par["expert_parallel_degree"] = plan.ep
         par["expert_tensor_parallel_degree"] = plan.etp
+    rounds = max(1, m // plan.pp)
+    if plan.vpp > 1 and m % rounds:
+        # torch.distributed.pipelining ScheduleInterleaved1F1B: max(1, m // pp) rounds of equal size
+        raise ExportRefused(t, f"vpp={plan.vpp}", f"torchtitan's Interleaved1F1B splits the {m} micro-batches into "
+                            f"{rounds} equal rounds (m // pp), which {m} is not a multiple of")
     if plan.pp > 1:
         gpipe = problem.job.framework.pipeline_schedule is PipelineSchedule.GPIPE
         par["pipeline_parallel_schedule"] = "Interleaved1F1B" if plan.vpp > 1 else ("GPipe" if gpipe else "1F1B")

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from .compute import Shapes
-from .plan import stage_layers
+from .plan import microbatch_group_size, stage_layers
 
 
 class Stages(NamedTuple):
@@ -77,10 +77,12 @@ def bubble_s(S: Shapes, t_first, t_mid, t_last, slowest: Selector):
 
 def in_flight_micro_batches(S: Shapes, rank, gpipe=0.0):
     """Micro-batches whose activations a pipeline rank holds at its peak: 1F1B warm-up pp - rank
-    (at most m); interleaved, 2*(pp - rank - 1) + (v - 1)*pp + 1 chunk forwards of 1/v stage [MC].
+    (at most m); interleaved, 2*(pp - rank - 1) + (v - 1)*N + 1 chunk forwards of 1/v stage [MC], N the
+    micro-batch group per virtual stage (pp, or more where pp does not divide m: plan.microbatch_group_size).
     GPipe (gpipe = 1) runs all m forwards before the first backward [Huang et al. 2019, sec. 2.3]:
     m micro-batches with pp > 1 (without pipelining, pp = 1, one micro-batch at a time)."""
     v, pp = S.vpp, S.pp
-    one_f_one_b = jnp.where(v > 1, (2.0 * (pp - rank - 1.0) + (v - 1.0) * pp + 1.0) / v,
+    group = microbatch_group_size(S.micro_batches, pp, jnp)
+    one_f_one_b = jnp.where(v > 1, (2.0 * (pp - rank - 1.0) + (v - 1.0) * group + 1.0) / v,
                             jnp.minimum(S.micro_batches, pp - rank))
     return jnp.where((gpipe > 0) & (pp > 1), S.micro_batches, one_f_one_b)

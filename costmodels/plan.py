@@ -330,6 +330,23 @@ def stage_layers(layers, pp, vpp, first_layers, last_layers, xp=np, *, acc_embed
     return n_first, n_mid, n_last
 
 
+#: how far past pp the search for an interleaving group size looks (the micro-batch count itself always works)
+GROUP_SIZE_SEARCH = 64
+
+
+def microbatch_group_size(micro_batches, pp, xp=np):
+    """Megatron-Core's --microbatch-group-size-per-virtual-pipeline-stage N for an interleaved schedule of m
+    micro-batches: its default pp when it divides m, else the smallest N in [pp, m] that the schedule takes
+    (schedules.py forward_backward_pipelining_with_interleaving: m % N == 0 or m % N >= pp; N = m always does).
+    The warm-up runs (vpp - 1) x N chunk forwards, so the smallest N holds the fewest activations. Numpy or
+    jax.numpy, element-wise; m < pp has none (the schedule refuses it): returns m."""
+    m, p = xp.asarray(micro_batches), xp.asarray(pp)
+    n = p[..., None] + xp.arange(GROUP_SIZE_SEARCH)
+    r = m[..., None] % n
+    ok = (n <= m[..., None]) & ((r == 0) | (r >= p[..., None]))
+    return xp.where(ok.any(axis=-1), p + xp.argmax(ok, axis=-1), m)
+
+
 _BOOL = {"true": True, "1": True, "yes": True, "on": True,
          "false": False, "0": False, "no": False, "off": False}
 _BOOL_FIELDS = ("sp", "account_for_embedding", "account_for_loss")

@@ -310,10 +310,12 @@ RULES: tuple[Rule, ...] = (
     Rule("microbatches", lambda a, p: _mb(a, p) >= 1,
          lambda a, p: f"global_batch={p.job.global_batch} gives no whole micro-batch for dp*mbs = "
                       f"{_v(a,'dp')*_v(a,'mbs')}"),
-    # 1F1B runs with fewer micro-batches than stages (a larger bubble); interleaving needs a multiple
-    Rule("interleave_microbatches", lambda a, p: (a["vpp"] == 1) | (_mb(a, p) % a["pp"] == 0),
-         lambda a, p: f"with vpp={_v(a,'vpp')} the micro-batch count {_v({'m': _mb(a, p)}, 'm')} must be a "
-                      f"multiple of pp={_v(a,'pp')}"),
+    # 1F1B runs with fewer micro-batches than stages (a larger bubble); interleaving needs at least pp of them, in
+    # groups of pp when pp divides them, else of --microbatch-group-size-per-virtual-pipeline-stage N
+    # (schedules.py: N in [pp, m], m % N == 0 or >= pp; plan.microbatch_group_size, which export passes)
+    Rule("interleave_microbatches", lambda a, p: (a["vpp"] == 1) | (_mb(a, p) >= a["pp"]),
+         lambda a, p: f"with vpp={_v(a,'vpp')} the micro-batch count {_v({'m': _mb(a, p)}, 'm')} must be at "
+                      f"least pp={_v(a,'pp')} (Megatron-Core's interleaved schedule)"),
     Rule("recompute_modules_model", lambda a, p: (a["recompute_modules"] & ~applicable_modules_mask(p.model)) == 0,
          lambda a, p: f"recompute_modules {'+'.join(modules_of_mask(_v(a, 'recompute_modules')))} include modules "
                       f"{p.model.name} does not have (it has "

@@ -4,6 +4,7 @@ Megatron arguments parse back to the same plan for legal plans drawn from the se
 plans a target cannot express are refused with a reason naming the field."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from autotune import api
 from autotune.export import (TARGETS, ExportRefused, export, megatron_args, parse_megatron_arg_dump,
                              parse_megatron_args, plan_from_megatron_args)
+from costmodels.plan import Plan
 from costmodels.specs import SpecError
 from search_spaces.space import enumerate_legal
 
@@ -252,3 +254,22 @@ def test_argument_dump_gives_the_plan():
     plan = plan_from_megatron_args(values)
     assert str(plan) == ("tp=2,pp=2,dp=2,cp=1,ep=1,etp=1,vpp=1,mbs=2,recompute=selective,"
                          "recompute_modules=core_attn,sp=true,zero=1")
+
+
+def test_interleaving_where_pp_does_not_divide_the_micro_batches():
+    """6 micro-batches per rank over pp 4 interleave in one group of 6 (Megatron-Core's
+    --microbatch-group-size-per-virtual-pipeline-stage; its default, pp, would refuse them): the exports pass it,
+    and the longer warm-up holds more activations than 8 micro-batches in groups of 4."""
+    plan = Plan(tp=1, pp=4, dp=16, vpp=2, mbs=1, zero=1)
+    six = api.build_problem(model="llama3-8b", gpu="h100", gpus=64, global_batch=96, seq_len=4096)
+    eight = api.build_problem(model="llama3-8b", gpu="h100", gpus=64, global_batch=128, seq_len=4096)
+    assert "--microbatch-group-size-per-virtual-pipeline-stage 6" in export("megatron", plan, six).text
+    assert "model.microbatch_group_size_per_vp_stage=6" in export("bridge", plan, six).text
+    assert "microbatch-group-size" not in export("megatron", plan, eight).text
+    for target in ("megatron", "bridge"):
+        assert set(export(target, plan, six).options) <= NAMES[target]
+    assert (api.predict(six, plan)["memory_gb"]["activations"] > api.predict(eight, plan)["memory_gb"]["activations"])
+    # torch's Interleaved1F1B: max(1, m // pp) equal rounds; 9 micro-batches make 2 rounds, which 9 is not a multiple of
+    nine = api.build_problem(model="llama3-8b", gpu="h100", gpus=64, global_batch=144, seq_len=4096)
+    with pytest.raises(ExportRefused, match="rounds"):
+        export("torchtitan", dataclasses.replace(plan, zero=0), nine)

@@ -86,8 +86,8 @@ _CASES = [
     # no whole micro-batch (dp*mbs > global batch) also leaves a remainder, which is checked first
     ("microbatches", "dp*mbs exceeds the global batch", _problem(),
      Plan(dp=16, mbs=4), Plan(dp=16, mbs=2), ("batch_divisible",)),
-    ("interleave_microbatches", "micro-batches not a multiple of pp when interleaving",
-     _problem(job=JobSpec(global_batch=24, seq_len=1024)),
+    ("interleave_microbatches", "fewer micro-batches than pp when interleaving",
+     _problem(job=JobSpec(global_batch=8, seq_len=1024)),
      Plan(pp=4, dp=4, vpp=2), Plan(pp=4, dp=4, vpp=1)),
     ("sp_needs_tp", "sequence parallel without TP", _problem(),
      Plan(dp=16, sp=True), Plan(dp=16, sp=False)),
@@ -464,3 +464,18 @@ def test_an_impossible_fixed_dp_is_named_as_given_in_the_no_legal_plan_message()
     problem = build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=64, seq_len=4096)
     with pytest.raises(NoLegalPlan, match=r"tp\*cp\*pp\*dp = 1\*1\*1\*2 must equal gpus=8"):
         exhaustive(problem, fixed={"tp": 1, "pp": 1, "cp": 1, "dp": 2})
+
+
+@pytest.mark.parametrize("m, pp, group", [(8, 4, 4), (6, 4, 6), (120, 16, 20), (33, 8, 11), (17, 16, 17), (48, 16, 16)])
+def test_interleaving_takes_a_micro_batch_group_where_pp_does_not_divide(m, pp, group):
+    """Megatron-Core's interleaved schedule (schedules.py): a group N in [pp, m] with m % N == 0 or m % N >= pp;
+    the smallest such N, checked here against that rule written out, and the plan is legal."""
+    from costmodels.plan import microbatch_group_size
+    assert microbatch_group_size(m, pp) == group
+    legal = [n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp]
+    assert group == min(legal)
+
+
+def test_interleaving_six_micro_batches_over_four_stages_is_legal():
+    # 24 sequences over dp 4: 6 micro-batches, which pp 4 does not divide; Megatron-Core runs them in one group of 6
+    check_plan(Plan(pp=4, dp=4, vpp=2), _problem(job=JobSpec(global_batch=24, seq_len=1024)))

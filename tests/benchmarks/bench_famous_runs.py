@@ -9,7 +9,6 @@ they serve as a sanity check out of sample, never as a fit target. README "Megat
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -74,46 +73,33 @@ def rows() -> list:
 #: ramp and every stall included
 DEEPSEEK_V3_TOKENS_PER_S_PER_GPU = 1e12 / (180e3 * 3600)
 DEEPSEEK_V3_PLAN = "tp=1,pp=16,ep=64,mbs=1,zero=1,recompute=selective,recompute_modules=layernorm+mla_up_proj"
-#: HAI-LLM is not Megatron-Core: scored with Megatron-Core's defaults, and with DeepEP (which DeepSeek released) as
-#: Megatron-Core's flex dispatcher. DualPipe's overlap of the all-to-alls has no legal Megatron-Core form here: its
-#: --overlap-moe-expert-parallel-comm needs interleaving with pp > 1, and 120 micro-batches per rank do not interleave
-#: over pp 16 (a multiple of pp is required)
-DEEPSEEK_V3_READINGS = {"Megatron-Core defaults (alltoall)": {},
-                        "DeepEP (flex dispatcher)": {"moe_token_dispatcher_type": "flex"}}
-#: DualPipe's nearest as the cost model can score it, outside Megatron-Core's rules (not a plan it would launch):
-#: flex, the EP overlap and two chunks per rank
-DEEPSEEK_V3_DUALPIPE_LIKE = {"moe_token_dispatcher_type": "flex", "overlap_moe_expert_parallel_comm": True}
+#: HAI-LLM is not Megatron-Core: scored with Megatron-Core's defaults, with DeepEP (which DeepSeek released) as its
+#: flex dispatcher, and with its nearest form of DualPipe, which overlaps the all-to-alls and runs two model chunks
+#: per rank: --overlap-moe-expert-parallel-comm (which Megatron-Core allows with pp > 1 only interleaved), flex, vpp 2
+#: (120 micro-batches per rank interleave over pp 16 in groups of 20: plan.microbatch_group_size)
+DEEPSEEK_V3_READINGS = {"Megatron-Core defaults (alltoall)": ({}, 1),
+                        "DeepEP (flex dispatcher)": ({"moe_token_dispatcher_type": "flex"}, 1),
+                        "DualPipe's nearest: flex + EP overlap + vpp 2": (
+                            {"moe_token_dispatcher_type": "flex", "overlap_moe_expert_parallel_comm": True}, 2)}
 
 
 def deepseek_v3() -> list:
     """DeepSeek-V3's own pretraining, predicted with its published plan (the layout Megatron-Bridge builds for 61
-    layers on pp 16: the MTP module beside the last layer) under each Megatron-Core reading."""
+    layers on pp 16 and the reading's vpp: the MTP module beside the last layer) under each Megatron-Core reading."""
     from autotune import api
     from autotune.problem import plan_from_text
     from costmodels.plan import balanced_layout
 
     out = []
-    for reading, fw in DEEPSEEK_V3_READINGS.items():
+    for reading, (fw, vpp) in DEEPSEEK_V3_READINGS.items():
         problem = api.build_problem(model="deepseek-v3", gpu="h800", gpus=2048, global_batch=15360, seq_len=4096,
                                     precision="fp8", framework={"fp8_recipe": "blockwise", **fw})
-        plan = plan_from_text(f"{DEEPSEEK_V3_PLAN},layout={balanced_layout(61, 16, 1, 1)}", problem)
+        plan = plan_from_text(f"{DEEPSEEK_V3_PLAN},layout={balanced_layout(61, 16, vpp, 1)}", problem)
         p = api.predict(problem, plan)
         out.append({"id": "deepseek-v3-2048gpu", "reading": reading, "plan": str(plan),
                     "measured_tokens_per_s_per_gpu": DEEPSEEK_V3_TOKENS_PER_S_PER_GPU,
                     "predicted_tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"], "memory_gb": p["memory_gb"]["total"],
                     "error_pct": 100.0 * (p["tokens_per_s_per_gpu"] / DEEPSEEK_V3_TOKENS_PER_S_PER_GPU - 1.0)})
-    problem = api.build_problem(model="deepseek-v3", gpu="h800", gpus=2048, global_batch=15360, seq_len=4096,
-                                precision="fp8", framework={"fp8_recipe": "blockwise", **DEEPSEEK_V3_DUALPIPE_LIKE})
-    legal = plan_from_text(f"{DEEPSEEK_V3_PLAN},layout={balanced_layout(61, 16, 1, 1)}",
-                           api.build_problem(model="deepseek-v3", gpu="h800", gpus=2048, global_batch=15360,
-                                             seq_len=4096, precision="fp8", framework={"fp8_recipe": "blockwise"}))
-    plan = dataclasses.replace(legal, vpp=2, layout=balanced_layout(61, 16, 2, 1))   # unchecked: outside the rules
-    p = api.predict(problem, plan)
-    out.append({"id": "deepseek-v3-2048gpu", "reading": "DualPipe-like: flex + EP overlap + vpp 2, outside "
-                "Megatron-Core's rules (120 micro-batches do not interleave over pp 16)", "plan": str(plan),
-                "measured_tokens_per_s_per_gpu": DEEPSEEK_V3_TOKENS_PER_S_PER_GPU,
-                "predicted_tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"], "memory_gb": p["memory_gb"]["total"],
-                "error_pct": 100.0 * (p["tokens_per_s_per_gpu"] / DEEPSEEK_V3_TOKENS_PER_S_PER_GPU - 1.0)})
     return out
 
 
