@@ -339,8 +339,9 @@ def microbatch_group_size(micro_batches, pp, xp=np):
     micro-batches: its default pp when it divides m, else the smallest N in [pp, m] that the schedule takes
     (schedules.py forward_backward_pipelining_with_interleaving: m % N == 0 or m % N >= pp; N = m always does).
     The warm-up runs (vpp - 1) x N chunk forwards, so the smallest N holds the fewest activations. Numpy or
-    jax.numpy, element-wise; m < pp has none (the schedule refuses it): returns m."""
-    m, p = xp.asarray(micro_batches), xp.asarray(pp)
+    jax.numpy, element-wise; m < pp has none (the schedule refuses it): returns m. m is rounded to whole
+    micro-batches, so that the sensitivity's small continuous changes of the batch leave N as it is."""
+    m, p = xp.round(xp.asarray(micro_batches)), xp.asarray(pp)
     n = p[..., None] + xp.arange(GROUP_SIZE_SEARCH)
     r = m[..., None] % n
     ok = (n <= m[..., None]) & ((r == 0) | (r >= p[..., None]))

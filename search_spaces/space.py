@@ -4,7 +4,8 @@ One definition of each knob (`KNOBS`) and each rule (`RULES`) serves enumeration
 single user-given plan, Optuna's distributions and the report columns. Rules follow Megatron-Core's
 argument checks (megatron/training/arguments.py, core/parallel_state.py): world size = tp*cp*pp*dp;
 tp divides heads and KV heads; pp*vpp stages hold at least one layer each; micro-batches are whole
-(1F1B accepts fewer than pp, with a larger bubble) and a multiple of pp when interleaving; expert layers fold ep*etp into tp*cp*dp; cp splits
+(1F1B accepts fewer than pp, with a larger bubble) and at least pp when interleaving (in groups of pp, or of the
+smallest larger group the schedule takes); expert layers fold ep*etp into tp*cp*dp; cp splits
 the sequence into 2*cp chunks for load-balanced causal attention.
 """
 from __future__ import annotations
