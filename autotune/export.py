@@ -571,14 +571,15 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
         # the plan's split: none
         o += [("model.pipeline_model_parallel_layout", "null"),
               ("model.virtual_pipeline_model_parallel_size", plan.vpp if plan.vpp > 1 else "null")]
-    if _interleave_group(plan, problem):
-        o += [("model.microbatch_group_size_per_vp_stage", _interleave_group(plan, problem))]
         if plan.first_layers:
             o += [("model.num_layers_in_first_pipeline_stage", plan.first_layers)]
         if plan.last_layers:
             o += [("model.num_layers_in_last_pipeline_stage", plan.last_layers)]
         o += [("model.account_for_embedding_in_pipeline_split", plan.account_for_embedding),
               ("model.account_for_loss_in_pipeline_split", plan.account_for_loss)]
+    group = _interleave_group(plan, problem)
+    if group:
+        o += [("model.microbatch_group_size_per_vp_stage", group)]
     if plan.recompute is Recompute.SELECTIVE:
         o += [("model.recompute_granularity", "selective"), ("model.recompute_modules", plan.recompute_modules)]
     elif plan.recompute is Recompute.FULL:

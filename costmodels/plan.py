@@ -337,7 +337,8 @@ GROUP_SIZE_SEARCH = 64
 def microbatch_group_size(micro_batches, pp, xp=np):
     """Megatron-Core's --microbatch-group-size-per-virtual-pipeline-stage N for an interleaved schedule of m
     micro-batches: its default pp when it divides m, else the smallest N in [pp, m] that the schedule takes
-    (schedules.py forward_backward_pipelining_with_interleaving: m % N == 0 or m % N >= pp; N = m always does).
+    (schedules.py forward_backward_pipelining_with_interleaving: m % N == 0 or m % N >= pp; N = m always does),
+    looked for up to pp + GROUP_SIZE_SEARCH - 1, else m.
     The warm-up runs (vpp - 1) x N chunk forwards, so the smallest N holds the fewest activations. Numpy or
     jax.numpy, element-wise; m < pp has none (the schedule refuses it): returns m. m is rounded to whole
     micro-batches, so that the sensitivity's small continuous changes of the batch leave N as it is."""

@@ -273,3 +273,16 @@ def test_interleaving_where_pp_does_not_divide_the_micro_batches():
     nine = api.build_problem(model="llama3-8b", gpu="h100", gpus=64, global_batch=144, seq_len=4096)
     with pytest.raises(ExportRefused, match="rounds"):
         export("torchtitan", dataclasses.replace(plan, zero=0), nine)
+
+
+@pytest.mark.parametrize("plan_text, keys", [
+    ("tp=2,pp=4,vpp=2,mbs=1,sp=true,zero=1,first_layers=6,last_layers=6",
+     ("model.num_layers_in_first_pipeline_stage=6", "model.num_layers_in_last_pipeline_stage=6")),
+    ("tp=2,pp=2,mbs=1,sp=true,zero=1,account_for_embedding=true,account_for_loss=true",
+     ("model.account_for_embedding_in_pipeline_split=true", "model.account_for_loss_in_pipeline_split=true")),
+])
+def test_bridge_export_keeps_the_pipeline_split(plan_text, keys):
+    problem = api.build_problem(**PROBLEMS["dense"])
+    text = export("bridge", api.plan_from_text(plan_text, problem), problem).text
+    for key in keys:
+        assert key in text

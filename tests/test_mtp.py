@@ -173,6 +173,7 @@ def test_exports_carry_or_refuse_mtp():
     assert "model.mtp_num_layers=1" in bridge.text
     # no layout in the plan: the recipe's own (Bridge's DeepSeek-V3 recipe builds one) is switched off
     assert "model.pipeline_model_parallel_layout=null" in bridge.text
+    assert "model.account_for_embedding_in_pipeline_split=true" in bridge.text      # the plan's split, as given
     # every option name exists in the framework (the name lists read from its sources)
     for target in ("megatron", "bridge"):
         assert set(export(target, plan, problem).options) <= NAMES[target]
