@@ -7,7 +7,9 @@ import dataclasses
 import json
 import statistics
 
+import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from autotune import api
 from autotune.datasets import dataset_path
@@ -216,3 +218,30 @@ def test_mtp_with_ep_overlap_and_one_module_is_fine():
     problem = api.build_problem(model="deepseek-v3", gpu="h100", gpus=256, global_batch=512, seq_len=4096,
                                 framework={"overlap_moe_expert_parallel_comm": True})
     assert problem.model.mtp_num_layers == 1
+
+
+def _legal_sample(problem, n=400, seed=0):
+    from search_spaces.space import enumerate_legal
+    batches = list(enumerate_legal(problem)[0])
+    plans = [b.plan(int(i)) for b in batches for i in range(len(b))]
+    rng = np.random.default_rng(seed)
+    return [plans[i] for i in rng.choice(len(plans), size=min(n, len(plans)), replace=False)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(model=st.sampled_from(["deepseek-v2-lite", "qwen3-30b-a3b", "llama3-8b"]), gpus=st.sampled_from([8, 16, 32]),
+       k=st.integers(1, 2), seed=st.integers(0, 2 ** 16))
+def test_an_mtp_module_never_makes_a_plan_faster_or_smaller(model, gpus, k, seed):
+    """Whatever the plan, adding MTP modules adds work and memory on one rank: never a shorter step, a smaller peak
+    or fewer FLOPs (the others' stages keep their layers and their MoE share)."""
+    from autotune.problem import build_problem
+    from autotune.scoring import Inputs, score_full
+    from costmodels.plan import PlanBatch
+    base = build_problem(model=model, gpu="h100", gpus=gpus, global_batch=64, seq_len=2048)
+    plans = PlanBatch.from_plans(_legal_sample(base, 200, seed))
+    with_mtp = dataclasses.replace(base, model=dataclasses.replace(base.model, mtp_num_layers=k))
+    p0 = score_full(plans, Inputs(base), EfficiencyParams())
+    p1 = score_full(plans, Inputs(with_mtp), EfficiencyParams())
+    assert np.all(p1["step_time_s"] >= p0["step_time_s"] * (1 - 1e-6))
+    assert np.all(p1["memory.total"] >= p0["memory.total"] * (1 - 1e-6))
+    assert np.all(p1["model_flops"] > p0["model_flops"])
