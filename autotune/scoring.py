@@ -23,7 +23,7 @@ from costmodels import model as cm
 from costmodels.breakdown import Memory, StepTime, flatten
 from costmodels.encode import encode_cluster, encode_job, encode_model
 from costmodels.params import EfficiencyParams
-from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch
+from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, microbatch_group_size
 from costmodels.specs import SpecError
 from search_spaces.space import Problem
 
@@ -230,13 +230,30 @@ def _pad(arrays: dict, size: int) -> dict:
     return {k: np.asarray(v)[idx] for k, v in arrays.items()}
 
 
+def with_groups(arrays: dict, inp: Inputs) -> dict:
+    """The plans with their interleaving micro-batch groups (`plan.microbatch_group_size`), found on the host for
+    the interleaved rows whose pp does not divide their micro-batches (integer arithmetic on those rows only): the
+    cost model's own search over candidate groups (its fallback when the key is absent) would cost about as much
+    as the rest of the scorer."""
+    pp = arrays["pp"]
+    group = pp.astype(np.float32)
+    # gbs % (dp * mbs * pp) != 0: pp does not divide the micro-batches gbs / (dp * mbs), whole for legal plans
+    per_group = arrays["dp"] * arrays["mbs"] * pp
+    need = np.flatnonzero((int(round(float(inp.job["global_batch"]))) % np.maximum(per_group, 1) != 0)
+                          & (arrays["vpp"] > 1))
+    if need.size:
+        m = int(round(float(inp.job["global_batch"]))) // np.maximum(arrays["dp"][need] * arrays["mbs"][need], 1)
+        group[need] = microbatch_group_size(m, pp[need])
+    return {**arrays, "mb_group": group}
+
+
 def score_summary(batch: PlanBatch, inp: Inputs, params: EfficiencyParams,
                   chunk: int = CHUNK) -> tuple[np.ndarray, np.ndarray]:
     """(step_time_s, mem_total_bytes) for every plan of the batch, in padded chunks."""
     n = len(batch)
     steps = np.empty(n, dtype=np.float32)
     mems = np.empty(n, dtype=np.float32)
-    arrays = {f: np.asarray(batch[f], dtype=np.int32) for f in PLAN_FIELDS}
+    arrays = with_groups({f: np.asarray(batch[f], dtype=np.int32) for f in PLAN_FIELDS}, inp)
     size = chunk if n > SMALL_CHUNK else SMALL_CHUNK      # two shapes only: one compile each
     for start in range(0, n, size):
         stop = min(start + size, n)
@@ -256,14 +273,14 @@ def prefetch_full(inp: Inputs, params: EfficiencyParams, n: int) -> None:
     background, while the caller enumerates and scores the space (a search's first run: ~3.5 s of
     XLA compile beside the summary scorer's ~1.4 s, on two cores)."""
     one = PlanBatch.from_plans([Plan()])
-    part = _pad({f: np.asarray(one[f], dtype=np.int32) for f in PLAN_FIELDS}, _full_size(n))
+    part = with_groups(_pad({f: np.asarray(one[f], dtype=np.int32) for f in PLAN_FIELDS}, _full_size(n)), inp)
     prefetch("evaluate", cm.evaluate_jit, (part, inp.model, inp.hw, inp.job, params))
 
 
 def score_full(batch: PlanBatch, inp: Inputs, params: EfficiencyParams) -> dict:
     """Every output of the cost model for a (small) batch, as numpy arrays."""
     n = len(batch)
-    part = _pad({f: np.asarray(batch[f], dtype=np.int32) for f in PLAN_FIELDS}, _full_size(n))
+    part = with_groups(_pad({f: np.asarray(batch[f], dtype=np.int32) for f in PLAN_FIELDS}, _full_size(n)), inp)
     out = flatten(run_compiled("evaluate", cm.evaluate_jit, (part, inp.model, inp.hw, inp.job, params)))
     return {k: np.asarray(v)[:n] for k, v in out.items()}
 

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from .params import EfficiencyParams
+from .plan import microbatch_group_size
 
 #: kernels an MoE layer launches beyond a dense one (Megatron-Core moe_layer.py route -> preprocess ->
 #: dispatch -> combine), by the region a CUDA graph can capture (--cuda-graph-modules): the router
@@ -203,6 +204,7 @@ class Shapes(NamedTuple):
     rec_full: object         # 1 with full recompute
     rec_mod: RecomputeModules  # which modules selective recompute replays
     micro_batches: object    # m = B / (dp * b)
+    mb_group: object         # micro-batches per virtual-stage group when interleaved (plan.microbatch_group_size)
     tokens: object           # T = b * s / cp
     tokens_elem: object      # T/tp with SP, else T
     routed_tokens: object    # routed token copies per GPU: T/tp * k * imbalance
@@ -226,11 +228,14 @@ def shapes(P: dict, M: dict, J: dict, e: EfficiencyParams) -> Shapes:
     tp, dp, cp, ep, etp, b = P["tp"], P["dp"], P["cp"], P["ep"], P["etp"], P["mbs"]
     T = b * J["seq_len"] / cp
     routed = T / tp * M["top_k"] * moe_load(J, e)
+    m = J["global_batch"] / (dp * b)
+    # the interleaving groups: given by the caller (autotune.scoring.with_groups, on the host), else searched here
+    group = P["mb_group"] if "mb_group" in P else microbatch_group_size(m, P["pp"], jnp)
     return Shapes(
         tp=tp, pp=P["pp"], dp=dp, cp=cp, ep=ep, etp=etp, vpp=P["vpp"], mbs=b, sp=P["sp"], zero=P["zero"],
         rec_sel=(P["recompute"] == 1).astype(jnp.float32), rec_full=(P["recompute"] == 2).astype(jnp.float32),
         rec_mod=recompute_modules(P),
-        micro_batches=J["global_batch"] / (dp * b), tokens=T, tokens_elem=jnp.where(P["sp"] > 0, T / tp, T),
+        micro_batches=m, mb_group=group, tokens=T, tokens_elem=jnp.where(P["sp"] > 0, T / tp, T),
         routed_tokens=routed, expert_tokens=routed * ep * etp / jnp.maximum(M["experts"], 1.0),
         is_moe=(M["experts"] > 0).astype(jnp.float32), frac_moe=M["moe_layers"] / M["layers"],
         is_mla=(M["q_down_n"] + M["kv_down_n"] > 0).astype(jnp.float32),

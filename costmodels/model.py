@@ -86,15 +86,10 @@ def _moe_shares(S, M, st):
     fm, dense_first = S.frac_moe, M["dense_first"]
     d1 = jnp.minimum(dense_first, st.first / S.vpp)
     fm1 = jnp.where(dense_first > 0, 1.0 - d1 / st.first, fm)
-    rest = jnp.maximum(M["layers"] - st.first, 1.0)
-    fm_rest = jnp.clip((M["moe_layers"] - (st.first - d1)) / rest, 0.0, 1.0)
+    # MTP layers (of the last layer's kind) count with the ranks after the first
+    rest = jnp.maximum(M["layers"] + M["mtp_layers"] - st.first, 1.0)
+    fm_rest = jnp.clip((M["moe_layers"] + M["mtp_layers"] * M["mtp_moe"] - (st.first - d1)) / rest, 0.0, 1.0)
     return fm1, jnp.where((dense_first > 0) & (S.pp > 1), fm_rest, fm)
-
-
-def _with_mtp(fm, n, M):
-    """The MoE share of the rank that holds the MTP layers among its n (each of the last layer's kind)."""
-    k = M["mtp_layers"]
-    return jnp.where(k > 0, jnp.clip((fm * (n - k) + k * M["mtp_moe"]) / jnp.maximum(n, 1.0), 0.0, 1.0), fm)
 
 
 def _gpu(st: dict):
@@ -127,13 +122,11 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     st = pipeline.stages(S, P, M)
     fm1, fm_rest = _moe_shares(S, M, st)
     whole = S                                            # the model's average, for FLOPs
-    # the rank with the MTP layers (the last; the only one with pp = 1) counts them in its MoE share
-    S1 = S._replace(frac_moe=jnp.where(st.single > 0, _with_mtp(fm1, st.first, M), fm1))
-    SL, S = S._replace(frac_moe=_with_mtp(fm_rest, st.last, M)), S._replace(frac_moe=fm_rest)
+    S1, S = S._replace(frac_moe=fm1), S._replace(frac_moe=fm_rest)
     n_rec = [pipeline.recomputed_layers(S, P, n) for n in (st.first, st.mid, st.last)]
     first = _stage_time(S1, st.first, n_rec[0], 1.0, st.single, w, lt, lc, head, sync)
     mid = _stage_time(S, st.mid, n_rec[1], 0.0, 0.0, w, lt, lc, head, sync)
-    last = _stage_time(SL, st.last, n_rec[2], st.single, 1.0, w, lt, lc, head, sync)
+    last = _stage_time(S, st.last, n_rec[2], st.single, 1.0, w, lt, lc, head, sync)
     t_first, t_mid, t_last = _total(first), _total(mid), _total(last)
     slowest = pipeline.largest(t_first, t_mid, t_last, st.has_mid)
     t_max = slowest.pick(t_first, t_mid, t_last)
@@ -143,10 +136,10 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     # ---- parameters per stage; data parallelism and the optimizer of the biggest one ----
     params = [memory.stage_params(Sx, M, n, ends, mtp) for Sx, n, ends, mtp in ((S1, st.first, 1.0, st.single),
                                                                                 (S, st.mid, 0.0, 0.0),
-                                                                                (SL, st.last, 1.0, 1.0))]
+                                                                                (S, st.last, 1.0, 1.0))]
     biggest = pipeline.largest(*(p.dense + p.expert for p in params), st.has_mid)
     # what gets gradients (with LoRA the adapters only; the base is frozen: memory.trainable_params)
-    trained = [memory.trainable_params(Sx, M, J, n, p) for Sx, n, p in zip((S1, S, SL), (st.first, st.mid, st.last),
+    trained = [memory.trainable_params(Sx, M, J, n, p) for Sx, n, p in zip((S1, S, S), (st.first, st.mid, st.last),
                                                                           params)]
     p_dense = biggest.pick(*(p.dense for p in trained))
     p_expert = biggest.pick(*(p.expert for p in trained))
@@ -203,7 +196,7 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     ranks = [memory.rank_memory(Sx, M, J, e, groups, n, nr, p, rank, logits, memory.activation_bytes(Sx, M, J, e))
              for Sx, n, nr, p, rank, logits in ((S1, st.first, n_rec[0], params[0], 0.0, st.single),
                                                 (S, st.mid, n_rec[1], params[1], 1.0, 0.0),
-                                                (SL, st.last, n_rec[2], params[2], S.pp - 1.0, 1.0))]
+                                                (S, st.last, n_rec[2], params[2], S.pp - 1.0, 1.0))]
     peak = pipeline.largest(*(r.total for r in ranks), st.has_mid)
     mem = Memory(*(peak.pick(*parts) for parts in zip(*ranks)))
 

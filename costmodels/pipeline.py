@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from .compute import Shapes
-from .plan import microbatch_group_size, stage_layers
+from .plan import stage_layers
 
 
 class Stages(NamedTuple):
@@ -82,7 +82,6 @@ def in_flight_micro_batches(S: Shapes, rank, gpipe=0.0):
     GPipe (gpipe = 1) runs all m forwards before the first backward [Huang et al. 2019, sec. 2.3]:
     m micro-batches with pp > 1 (without pipelining, pp = 1, one micro-batch at a time)."""
     v, pp = S.vpp, S.pp
-    group = microbatch_group_size(S.micro_batches, pp, jnp)
-    one_f_one_b = jnp.where(v > 1, (2.0 * (pp - rank - 1.0) + (v - 1.0) * group + 1.0) / v,
+    one_f_one_b = jnp.where(v > 1, (2.0 * (pp - rank - 1.0) + (v - 1.0) * S.mb_group + 1.0) / v,
                             jnp.minimum(S.micro_batches, pp - rank))
     return jnp.where((gpipe > 0) & (pp > 1), S.micro_batches, one_f_one_b)

@@ -286,3 +286,21 @@ def test_bridge_export_keeps_the_pipeline_split(plan_text, keys):
     text = export("bridge", api.plan_from_text(plan_text, problem), problem).text
     for key in keys:
         assert key in text
+
+
+def test_interleaving_groups_found_on_the_host_match_the_cost_models_own():
+    """autotune.scoring.with_groups finds the groups on the host for the rows that need them; the cost model, given
+    none, searches them itself: the same memory either way."""
+    from autotune.scoring import Inputs, with_groups
+    from costmodels import model as cm
+    from costmodels.params import EfficiencyParams
+    from costmodels.plan import PLAN_FIELDS, PlanBatch
+    problem = api.build_problem(model="llama3-8b", gpu="h100", gpus=64, global_batch=96, seq_len=4096)
+    batch = PlanBatch.from_plans([Plan(tp=1, pp=4, dp=16, vpp=2, mbs=1, zero=1), Plan(tp=1, pp=4, dp=16, mbs=1, zero=1)])
+    inp, e = Inputs(problem), EfficiencyParams()
+    part = {f: np.asarray(batch[f], dtype=np.int32) for f in PLAN_FIELDS}
+    host = with_groups(part, inp)
+    assert list(host["mb_group"]) == [6.0, 4.0]
+    a = cm.evaluate(host, inp.model, inp.hw, inp.job, e).memory.total
+    b = cm.evaluate(part, inp.model, inp.hw, inp.job, e).memory.total
+    assert np.allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
