@@ -114,9 +114,9 @@ def layer_comm(S: Shapes, w: LayerWork, lt: LayerTimes, M: dict, H: dict, J: dic
 
 def unmerged_share(S: Shapes):
     """Share of a rank's forward chunk passes that the merged schedule cannot pair with a backward:
-    the warm-up of Megatron-Core's interleaved schedule on the first rank, (pp-1)*2 + (vpp-1)*pp
-    chunks (schedules.py get_pp_rank_microbatches; pp is the micro-batch group, S.mb_group), of m*vpp; without a
-    pipeline the first forward and the last backward, one of m."""
+    the warm-up of Megatron-Core's interleaved schedule on the first rank, (pp-1)*2 + (vpp-1)*N
+    chunks (schedules.py get_pp_rank_microbatches; N the micro-batch group S.mb_group, pp by default), of
+    m*vpp; without a pipeline the first forward and the last backward, one of m."""
     warm = jnp.where(S.pp > 1, (S.pp - 1.0) * 2.0 + (S.vpp - 1.0) * S.mb_group, 1.0)
     return jnp.clip(warm / (S.micro_batches * S.vpp), 0.0, 1.0)
 

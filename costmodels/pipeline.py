@@ -6,7 +6,8 @@ the output layer and loss on the last; uneven or accounted splits change their l
 Sources
   [N21] Narayanan et al. 2021, sec. 2.2: 1F1B and interleaved 1F1B; bubble (p-1)/(v*m) of the
         ideal step for equal stages.
-  [MC]  Megatron-Core schedules.py: interleaved warm-up 2*(pp-rank-1) + (v-1)*pp chunk forwards;
+  [MC]  Megatron-Core schedules.py: interleaved warm-up 2*(pp-rank-1) + (v-1)*N chunk forwards (N the
+        micro-batch group, pp by default);
         transformer_block.py get_num_layers_to_build (stage layer counts).
 """
 from __future__ import annotations
