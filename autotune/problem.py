@@ -48,10 +48,10 @@ def build_problem(*, model: str, gpu: str | None = None, gpus: int | None = None
     return Problem(spec, cluster, job)
 
 
-def with_mtp_layers(spec, n) -> ModelSpec:
-    """The model with n multi-token-prediction modules (--mtp-num-layers)."""
+def with_mtp_layers(spec, n, field_name: str = "mtp_num_layers") -> ModelSpec:
+    """The model with n multi-token-prediction modules (--mtp-num-layers, a validation row's model field)."""
     if isinstance(n, bool) or not isinstance(n, int):
-        raise SpecError("mtp_num_layers", f"must be a whole number, got {n!r}")
+        raise SpecError(field_name, f"must be a whole number, got {n!r}")
     return dataclasses.replace(spec, mtp_num_layers=n)
 
 

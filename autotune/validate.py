@@ -28,7 +28,7 @@ from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
 from .datasets import gpu_generation, launch_settings, launch_settings_by_source, recipe_settings
 from .export import BRIDGE_FP8_PRESETS
-from .problem import framework_spec
+from .problem import framework_spec, with_mtp_layers
 from .files import read_json
 from .search import NothingFits, NoLegalPlan, exhaustive
 
@@ -114,15 +114,9 @@ def model_from_row(m: dict) -> ModelSpec:
                     moe_ffn_hidden_size=int(m.get("moe_ffn_hidden") or base["ffn_hidden_size"]))
     # multi-token prediction: as the row says, else as its preset's config (DeepSeek-V3: 1, which Megatron-Bridge's
     # DeepSeek-V3 runs count in their published FLOPs, and Megatron-LM's MoE recipes set)
-    if m.get("mtp_num_layers") is not None:
-        base["mtp_num_layers"] = _int_field(m["mtp_num_layers"], "model.mtp_num_layers")
-    return ModelSpec(**base)
-
-
-def _int_field(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(name, f"must be a whole number, got {value!r}")
-    return value
+    spec = ModelSpec(**base)
+    return spec if m.get("mtp_num_layers") is None else with_mtp_layers(spec, m["mtp_num_layers"],
+                                                                         "model.mtp_num_layers")
 
 
 _KNOWN_PLAN = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vpp": "vpp", "mbs": "micro_batch"}
