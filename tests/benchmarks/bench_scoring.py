@@ -16,6 +16,11 @@ Figures (issue 2, "Measured, not assumed", item 3):
      the persistent compile cache cold and warm (the CLI turns it on).
   d. the same scoring as a plain Python loop, one plan per call of the cost model (jitted with a
      batch of 1, and un-jitted), extrapolated to plans/s; the vectorized / loop ratio.
+  e. what the compiled scorer does per plan, from XLA's own cost analysis of one chunk: floating-point
+     operations, bytes accessed, transcendentals, and the program's instruction and fusion counts. These are
+     properties of the compiled program, not timings: they do not move with the machine's load, so two
+     versions of the cost model compare exactly where (a)'s plans/s need interleaved runs to see past the
+     noise of a shared machine (+-15 %). Beside them, (a)'s process CPU time per million plans.
   MoE: deepseek-v3 on 2048 H800 (global batch 15360 x 4096): plans/s and end-to-end search time.
 """
 from __future__ import annotations
@@ -102,17 +107,48 @@ def steady_plans_per_s(problem, rows: dict, reps: int) -> dict:
     score_summary(batch, inp, params)                      # compile (and a first pass)
     first_s = time.perf_counter() - t0
     times = []
+    cpu0 = time.process_time()
     for _ in range(reps):
         t0 = time.perf_counter()
         steps, mems = score_summary(batch, inp, params)    # returns numpy: synchronous
         times.append(time.perf_counter() - t0)
+    cpu_s = time.process_time() - cpu0
     return {
+        "cpu_s_per_million_plans": cpu_s / (reps * n) * 1e6,
         "rows": n,
         "reps": reps,
         "first_call_s": first_s,
         "times_s": times,
         "best_plans_per_s": n / min(times),
         "median_plans_per_s": n / statistics.median(times),
+    }
+
+
+def compiled_cost(problem, rows: dict) -> dict:
+    """XLA's cost analysis of the summary scorer compiled for one chunk (autotune.scoring.CHUNK rows), per plan:
+    flops, bytes accessed and transcendentals (jax `Compiled.cost_analysis`), and the optimized program's
+    instruction and fusion counts (`Compiled.as_text`). Deterministic for a given jax version and cost model."""
+    import numpy as np
+    from autotune.scoring import CHUNK, Inputs, with_groups
+    from costmodels import model as cm
+    from costmodels.params import EfficiencyParams
+    from costmodels.plan import PLAN_FIELDS
+
+    inp = Inputs(problem)
+    rows = tile(rows, CHUNK)
+    arrays = with_groups({f: np.asarray(rows[f][:CHUNK], dtype=np.int32) for f in PLAN_FIELDS}, inp)
+    exe = cm.summary_jit.lower(arrays, inp.model, inp.hw, inp.job, EfficiencyParams()).compile()
+    cost = exe.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost          # older jax: one dict per device
+    lines = [ln for ln in exe.as_text().splitlines() if " = " in ln]
+    fusions = sum(1 for ln in lines if " fusion(" in ln)
+    return {
+        "chunk_rows": CHUNK,
+        "flops_per_plan": float(cost.get("flops", 0.0)) / CHUNK,
+        "bytes_accessed_per_plan": float(cost.get("bytes accessed", 0.0)) / CHUNK,
+        "transcendentals_per_plan": float(cost.get("transcendentals", 0.0)) / CHUNK,
+        "hlo_instructions": len(lines),
+        "hlo_fusions": fusions,
     }
 
 
@@ -279,6 +315,9 @@ def main(argv=None) -> int:
 
     report: dict = {"machine": machine_info()}
     report["dense"] = bench_problem(DENSE, args.min_rows, args.reps, True, args.loop_plans, args.eager_plans)
+    from autotune.api import build_problem
+    problem = build_problem(**DENSE)
+    report["dense"]["compiled_cost"] = compiled_cost(problem, legal_rows(problem)[0])   # the same program for any problem
 
     cache = tempfile.mkdtemp(prefix="autotune-bench-jax-")
     try:
@@ -320,6 +359,13 @@ def _f(x, unit="", digits=3):
     return f"{x:.{digits}g} {unit}".rstrip()
 
 
+def _print_cost(prefix: str, c: dict) -> None:
+    print(f"{prefix} compiled scorer per plan (XLA cost analysis of one {c['chunk_rows']}-row chunk): "
+          f"{c['flops_per_plan']:,.0f} flops, {c['bytes_accessed_per_plan']:,.0f} bytes accessed, "
+          f"{c['transcendentals_per_plan']:.2f} transcendentals; {c['hlo_instructions']:,} HLO instructions, "
+          f"{c['hlo_fusions']} fusions")
+
+
 def print_report(r: dict) -> None:
     m = r["machine"]
     print(f"machine: {m['cpu_count']} CPUs ({m['affinity_cpus']} usable), {m['processor']}, {m['platform']}; "
@@ -331,7 +377,8 @@ def print_report(r: dict) -> None:
     print(f"  legal plans: {d['space']['legal']} of {d['space']['total']} (enumerated in {d['space']['enumerate_s']:.2f} s)")
     print(f"  (a) vectorized score_summary, {v['rows']} rows (tiled from {v['tiled_from']}), {v['reps']} reps: "
           f"best {_f(v['best_plans_per_s'], 'plans/s')}, median {_f(v['median_plans_per_s'], 'plans/s')} "
-          f"(first call incl. compile {v['first_call_s']:.2f} s)")
+          f"(first call incl. compile {v['first_call_s']:.2f} s); process CPU "
+          f"{v['cpu_s_per_million_plans']:.3f} s per million plans")
     c = r["compile"]
     for key, label in (("cold", "fresh process, no persistent cache"), ("disk_cache_warm", "fresh process, warm disk cache")):
         x = c.get(key, {})
@@ -351,6 +398,7 @@ def print_report(r: dict) -> None:
           f"({lp['eager']['plans']} plans)")
     print(f"      vectorized / loop: {d['ratio_vectorized_over_loop_jit_batch1']:,.0f}x (vs jitted batch-of-1), "
           f"{d['ratio_vectorized_over_loop_eager']:,.0f}x (vs un-jitted)")
+    _print_cost("  (e)", d["compiled_cost"])
     best = next((e for e in r["end_to_end_dense"] if e.get("best_plan")), None)
     if best:
         print(f"      best plan: {best['best_plan']}  step {best['best_step_time_s']:.3f} s")
