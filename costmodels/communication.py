@@ -174,12 +174,17 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     under the last backward + one all-gather under the first forward [MG, Z20]. ZeRO 2 (DeepSpeed;
     Megatron has none): each rank keeps only its gradient shard, so every micro-batch's backward
     reduce-scatters its gradients [Z20 sec. 5.2]. ZeRO 3 / FSDP: per micro-batch two gathers of parameters (forward,
-    backward) and a reduce-scatter of gradients, layer by layer; prefetched, up to `dp_overlap` of them
-    hides under the layers' work, never the first gather and the last reduce-scatter (about two layers'
-    worth). Megatron's FSDP runs them as the distributed optimizer's bucketed NCCL collectives (at the
-    group's bus bandwidth); DeepSpeed's stage 3 (`deepspeed_zero3`, 0/1) fetched each module's parameters
-    with its own synchronous gathers and copies and reached only `zero3_bw_eff` of it, on NVLink as over
-    InfiniBand (DeepSpeed issue #1174: ~21 GB/s per A100 inside one NVLink node, 2021).
+    backward) and a reduce-scatter of gradients, layer by layer, never hiding the first gather and the last
+    reduce-scatter (about two layers' worth). Megatron's FSDP runs them as bucketed NCCL collectives at the group's
+    bus bandwidth on a communication stream of its own, each layer's gather prefetched while the layer before it
+    computes and each reduce-scatter run while the next one does (megatron_fsdp's default prefetching): the traffic
+    hides under the layers' work up to that work's length. DeepSpeed's stage 3
+    (`deepspeed_zero3`, 0/1) fetched each module's parameters with its own synchronous gathers and copies, reached
+    only `zero3_bw_eff` of the bandwidth, on NVLink as over InfiniBand (DeepSpeed issue #1174: ~21 GB/s per A100
+    inside one NVLink node, 2021), and hid at most `dp_overlap` of it, as the other stages' overlap does (the only
+    ZeRO-3 runs fitted are DeepSpeed's: Narayanan et al. 2021's). Before this distinction Megatron's FSDP was capped
+    by the same `dp_overlap`: Megatron-Bridge's FSDP runs (Llama-3 8B on 8 H100, 70B on 64 GB200 / GB300, held out
+    in `bridge-dense`) were 10-17 points too slow.
 
     params_dense / params_expert are the parameters that get gradients; with LoRA the adapters, and the frozen
     base (`frozen_params`, which gets none) is gathered by ZeRO-3 / FSDP only (its layers need it whole).
@@ -234,5 +239,7 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     t_z3 = m * (2.0 * (ag + ag_frozen) + rs) / jnp.where(deepspeed_zero3 > 0, e.zero3_bw_eff, 1.0)
     # the window is the layers' work only: the embedding and output layer come before the first
     # gather and after the last reduce-scatter, and compute already hides TP/CP traffic
-    z3 = exposed(t_z3, m * stage_layers_s, 1.0, 2.0 * t_z3 / (m * layers))
+    # the share that may hide: all of it with Megatron's prefetching FSDP, dp_overlap with DeepSpeed's stage 3
+    z3_cap = jnp.where(deepspeed_zero3 > 0, e.dp_overlap, 1.0)
+    z3 = jnp.maximum(t_z3 - jnp.minimum(z3_cap * t_z3, m * stage_layers_s), 2.0 * t_z3 / (m * layers))
     return jnp.where(S.zero == 0, z0, jnp.where(S.zero >= 3, z3, jnp.where(S.zero == 2, z2, z1)))
