@@ -250,6 +250,8 @@ def megatron_plan_args(plan: Plan, problem: Problem, target: str = "megatron") -
             a += ["--moe-permute-fusion"]
     if fw.overlap_moe_expert_parallel_comm:
         a += ["--overlap-moe-expert-parallel-comm"]
+    if fw.cpu_offloading_num_layers:      # arguments.py turns --cpu-offloading on for N > 0 (activations only)
+        a += ["--cpu-offloading-num-layers", fw.cpu_offloading_num_layers]
     if fw.cuda_graph_impl is not CudaGraphImpl.NONE:
         # arguments.py: --cuda-graph-modules (nargs='+'; none = the whole layer); full_iteration asserts
         # --no-check-for-nan-in-loss-and-grad
@@ -317,8 +319,8 @@ def _refuse_unsettable(target: str, problem: Problem) -> None:
 
 
 def _refuse_cuda_graphs(target: str, problem: Problem) -> None:
-    """The plan was scored with Megatron-Core's CUDA graphs (or its batch-level EP overlap), which
-    other frameworks do not run."""
+    """The plan was scored with Megatron-Core's CUDA graphs (or its batch-level EP overlap, or its activation CPU
+    offloading), which other frameworks do not run."""
     _refuse_unsettable(target, problem)
     if problem.job.framework.overlap_moe_expert_parallel_comm:
         raise ExportRefused(target, "overlap_moe_expert_parallel_comm=true", f"Megatron-Core's batch-level EP "
@@ -327,6 +329,11 @@ def _refuse_cuda_graphs(target: str, problem: Problem) -> None:
     if impl is not CudaGraphImpl.NONE:
         raise ExportRefused(target, f"cuda_graph_impl={impl.value}", f"Megatron-Core's CUDA graphs have no {target} "
                             "setting; score the plan with --cuda-graph-impl none, or export --to megatron / bridge")
+    n_off = problem.job.framework.cpu_offloading_num_layers
+    if n_off:
+        raise ExportRefused(target, f"cpu_offloading_num_layers={n_off}", f"Megatron-Core's activation CPU offloading "
+                            f"has no {target} setting; score the plan without --cpu-offloading-num-layers, or export "
+                            "--to megatron / bridge")
 
 
 def megatron_args(plan: Plan, problem: Problem) -> list:
@@ -506,9 +513,12 @@ def parse_megatron_args(argv, world_size: int, num_layers: int | None = None, is
 _BRIDGE_PRECISION = {Precision.BF16: "bf16_mixed", Precision.FP16: "fp16_mixed"}
 #: Megatron-Bridge's low-precision presets (training/mixed_precision.py), with the low-precision primary weights
 #: each sets (fp8_param_gather; fp4_param_gather for nvfp4): the preset is applied to model, optimizer and ddp at
-#: runtime (runtime_config_update -> MixedPrecisionConfig.setup), over any model / ddp override
+#: runtime (runtime_config_update -> MixedPrecisionConfig.setup), over any model / ddp override. Current scaling
+#: keeps fp8 primary weights too (bf16_with_fp8_current_scaling_mixed: fp8_param_gather = True in every tag from
+#: v0.1.0rc3 to v0.6.0; the table said False until the dense Bridge rows' reading found it); subchannel scaling
+#: and, before v0.4.0, nvfp4 do not
 BRIDGE_FP8_PRESETS = {Fp8Recipe.DELAYED: ("bf16_with_fp8_delayed_scaling_mixed", True),
-                       Fp8Recipe.TENSORWISE: ("bf16_with_fp8_current_scaling_mixed", False),
+                       Fp8Recipe.TENSORWISE: ("bf16_with_fp8_current_scaling_mixed", True),
                        Fp8Recipe.MXFP8: ("bf16_with_mxfp8_mixed", True),
                        Fp8Recipe.BLOCKWISE: ("bf16_with_fp8_subchannel_scaling_mixed", False)}
 BRIDGE_FP4_PRESET = ("bf16_with_nvfp4_mixed", True)
@@ -601,6 +611,10 @@ def bridge_overrides(plan: Plan, problem: Problem) -> list:
         o += [("comm_overlap.overlap_moe_expert_parallel_comm", True)]
     if not fw.gradient_accumulation_fusion:
         o += [("model.gradient_accumulation_fusion", False)]
+    if fw.cpu_offloading_num_layers:
+        # Megatron-Bridge sets the TransformerConfig fields themselves (its Llama-3 70B FSDP recipes:
+        # cpu_offloading_num_layers via WorkloadBaseConfig, overrides.py); activations only, Megatron's default
+        o += [("model.cpu_offloading", True), ("model.cpu_offloading_num_layers", fw.cpu_offloading_num_layers)]
     if fw.lora_dim:
         # a finetune recipe built with peft="lora" (ConfigContainer.peft = peft/lora.py LoRA): its rank and targets
         o += [("peft.dim", fw.lora_dim), ("peft.target_modules", [m.value for m in fw.lora_target_modules])]

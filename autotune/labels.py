@@ -6,7 +6,8 @@ from costmodels.plan import Plan, format_plan
 
 #: the step-time breakdown's parts in words
 TIME_LABELS = {
-    "compute": "compute", "recompute": "recomputation", "tp_comm": "exposed TP communication",
+    "compute": "compute", "recompute": "recomputation",
+    "offload": "exposed activation copies to host memory (CPU offloading)", "tp_comm": "exposed TP communication",
     "cp_comm": "exposed CP (ring attention) exchange", "ep_comm": "exposed MoE all-to-all",
     "pp_comm": "exposed pipeline p2p", "dp_comm": "exposed DP gradient sync",
     "bubble": "pipeline bubble", "optimizer": "optimizer step",

@@ -75,7 +75,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                    fp8_dot_product_attention: bool | None = None,
                    lora_dim: int | None = None,
                    lora_target_modules: list | tuple | str | None = None,
-                   packed_example_tokens: int | None = None) -> FrameworkSpec:
+                   packed_example_tokens: int | None = None,
+                   cpu_offloading_num_layers: int | None = None) -> FrameworkSpec:
     """A FrameworkSpec from option values (None = Megatron-Core's default); strings parsed once here."""
     given = {k: v for k, v in dict(tp_comm_overlap=tp_comm_overlap, grad_reduce_in_fp32=grad_reduce_in_fp32,
                                    fp8_param_gather=fp8_param_gather, overlap_grad_reduce=overlap_grad_reduce,
@@ -88,7 +89,8 @@ def framework_spec(*, framework: str | None = None, attention_backend: str | Non
                                    moe_permute_fusion=moe_permute_fusion,
                                    cross_entropy_loss_fusion=cross_entropy_loss_fusion,
                                    fp8_dot_product_attention=fp8_dot_product_attention,
-                                   lora_dim=lora_dim, packed_example_tokens=packed_example_tokens).items()
+                                   lora_dim=lora_dim, packed_example_tokens=packed_example_tokens,
+                                   cpu_offloading_num_layers=cpu_offloading_num_layers).items()
              if v is not None}
     if framework is not None:
         given["framework"] = Framework.parse(framework)

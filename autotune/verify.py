@@ -164,6 +164,10 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
     if problem.job.framework.lora_dim:
         raise SpecError("lora_dim", "the jax runner trains every weight (it has no LoRA adapters); verify the "
                         "plan without --lora-dim, or run it with Megatron-Bridge (export --to bridge)")
+    if problem.job.framework.cpu_offloading_num_layers:
+        raise SpecError("cpu_offloading_num_layers", "the jax runner keeps every activation on the GPU (no CPU "
+                        "offloading); verify the plan without --cpu-offloading-num-layers, or run it with Megatron "
+                        "(--runner megatron)")
     if steps < 1:
         raise SpecError("steps", f"must be at least 1, got {steps}")
     prec = problem.job.precision

@@ -19,7 +19,7 @@ from cli.options import (ModelOpt, GpuOpt, GpusOpt, GlobalBatchOpt, SeqLenOpt, P
                          DispatcherOpt, EpOverlapOpt, OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt,
                          MoePermuteFusionOpt, CrossEntropyFusionOpt, CrossEntropyImplOpt, CudaGraphImplOpt,
                          Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, PackedExampleTokensOpt, Fp8RecipeOpt,
-                         MtpNumLayersOpt,
+                         MtpNumLayersOpt, CpuOffloadingOpt,
                          CudaGraphModulesOpt, framework_options_of)
 from cli.notes import problem_notes
 from costmodels.specs import SpecError
@@ -68,6 +68,7 @@ def explain(
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
     mtp_num_layers: MtpNumLayersOpt = None,
+    cpu_offloading_num_layers: CpuOffloadingOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -238,6 +239,7 @@ def whatif(
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
     mtp_num_layers: MtpNumLayersOpt = None,
+    cpu_offloading_num_layers: CpuOffloadingOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

@@ -26,7 +26,7 @@ from cli.options import (  # shared flags
     FrameworkOpt, AttentionBackendOpt, TpCommOverlapOpt, GradReduceBf16Opt, Fp8ParamGatherOpt, DispatcherOpt, EpOverlapOpt,
     OverlapGradReduceOpt, OverlapParamGatherOpt, GradAccFusionOpt, MoePermuteFusionOpt,
     CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, PackedExampleTokensOpt, Fp8RecipeOpt,
-    MtpNumLayersOpt,
+    MtpNumLayersOpt, CpuOffloadingOpt,
     CudaGraphImplOpt, CudaGraphModulesOpt,
     framework_options_of,
 )
@@ -182,6 +182,7 @@ def search(
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
     mtp_num_layers: MtpNumLayersOpt = None,
+    cpu_offloading_num_layers: CpuOffloadingOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
     export_to: export_cmds.ExportOpt = None,
@@ -345,6 +346,7 @@ def predict(
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
     mtp_num_layers: MtpNumLayersOpt = None,
+    cpu_offloading_num_layers: CpuOffloadingOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
@@ -388,7 +390,7 @@ def predict(
 @app.command()
 def validate(
     file: Annotated[Optional[str], typer.Argument(metavar="FILE", help="Runs file (schema: shared/validation/README.md).")] = None,
-    dataset: Annotated[Optional[str], typer.Option("--dataset", help="A bundled dataset instead of FILE: public, small-scale, korthikanti22 (K22 Table 5) or vtrain-multi (vTrain multi-node); the last two are held out of every fit.")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="A bundled dataset instead of FILE: public, small-scale, korthikanti22 (K22 Table 5), vtrain-multi (vTrain multi-node) or bridge-dense (Megatron-Bridge's dense Llama-3 runs); the last three are held out of every fit.")] = None,
     as_json: JsonOpt = False,
     all_rows: Annotated[bool, typer.Option("--all", help="Also predict rows marked usable=false.")] = False,
     calibration: CalibrationOpt = None,

@@ -71,6 +71,12 @@ MtpNumLayersOpt = Annotated[Optional[int], typer.Option(
     help="Multi-token prediction modules (Megatron --mtp-num-layers): N more layers on the last pipeline rank, "
          "each with a second pass through the output layer and a loss. Default: the model config's "
          "num_nextn_predict_layers (DeepSeek-V3: 1); 0 trains without MTP.")]
+CpuOffloadingOpt = Annotated[Optional[int], typer.Option(
+    "--cpu-offloading-num-layers", metavar="N",
+    help="Activation CPU offloading (Megatron --cpu-offloading-num-layers): the activations of N transformer layers "
+         "go to host memory after their forward and come back for their backward, over PCIe or NVLink-C2C. "
+         "Megatron-Core allows it without pipeline parallelism and recomputation only, so the search keeps to pp=1 "
+         "and recompute=none. Default 0: off.")]
 LoraModulesOpt = Annotated[Optional[list[str]], typer.Option(
     "--lora-target-modules", metavar="MODULES",
     help="With --lora-dim: the linears that get adapters, of linear_qkv, linear_proj, linear_fc1, linear_fc2 "
@@ -88,7 +94,7 @@ FRAMEWORK_FLAGS = ("framework", "attention_backend", "tp_comm_overlap", "grad_re
                    "overlap_moe_expert_parallel_comm", "overlap_grad_reduce", "overlap_param_gather",
                    "gradient_accumulation_fusion", "moe_permute_fusion", "cross_entropy_loss_fusion",
                    "cross_entropy_fusion_impl", "fp8_recipe", "fp8_dot_product_attention", "lora_dim",
-                   "lora_target_modules", "packed_example_tokens", "mtp_num_layers")
+                   "lora_target_modules", "packed_example_tokens", "mtp_num_layers", "cpu_offloading_num_layers")
 
 
 def framework_options_of(values: dict) -> dict:
@@ -102,7 +108,8 @@ def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce
                       overlap_param_gather=None, gradient_accumulation_fusion=None, moe_permute_fusion=None,
                       cross_entropy_loss_fusion=None, cross_entropy_fusion_impl=None, fp8_recipe=None,
                       fp8_dot_product_attention=None, lora_dim=None,
-                      lora_target_modules=None, packed_example_tokens=None, mtp_num_layers=None) -> dict:
+                      lora_target_modules=None, packed_example_tokens=None, mtp_num_layers=None,
+                      cpu_offloading_num_layers=None) -> dict:
     """The framework flags as `api.build_problem(framework=...)` takes them."""
     return {"framework": framework, "attention_backend": attention_backend, "tp_comm_overlap": tp_comm_overlap,
             "grad_reduce_in_fp32": None if grad_reduce_in_bf16 is None else not grad_reduce_in_bf16,
@@ -115,4 +122,4 @@ def framework_options(framework, attention_backend, tp_comm_overlap, grad_reduce
             "cross_entropy_fusion_impl": cross_entropy_fusion_impl, "fp8_recipe": fp8_recipe,
             "fp8_dot_product_attention": fp8_dot_product_attention, "lora_dim": lora_dim,
             "lora_target_modules": lora_target_modules, "packed_example_tokens": packed_example_tokens,
-            "mtp_num_layers": mtp_num_layers}
+            "mtp_num_layers": mtp_num_layers, "cpu_offloading_num_layers": cpu_offloading_num_layers}

@@ -21,7 +21,7 @@ from cli.options import (AttentionBackendOpt, CalibrationOpt, CudaGraphImplOpt, 
                          EpOverlapOpt, Fp8ParamGatherOpt, FrameworkOpt, GlobalBatchOpt, GpuOpt, GpusOpt,
                          GradAccFusionOpt, GradReduceBf16Opt, JsonOpt, ModelOpt, MoePermuteFusionOpt,
                          CrossEntropyFusionOpt, CrossEntropyImplOpt, Fp8AttentionOpt, LoraDimOpt, LoraModulesOpt, PackedExampleTokensOpt, Fp8RecipeOpt,
-                         MtpNumLayersOpt,
+                         MtpNumLayersOpt, CpuOffloadingOpt,
                          OverlapGradReduceOpt, OverlapParamGatherOpt, PrecisionOpt, SeqLenOpt, TpCommOverlapOpt,
                          framework_options_of)
 
@@ -149,6 +149,7 @@ def verify(
     lora_target_modules: LoraModulesOpt = None,
     packed_example_tokens: PackedExampleTokensOpt = None,
     mtp_num_layers: MtpNumLayersOpt = None,
+    cpu_offloading_num_layers: CpuOffloadingOpt = None,
     cuda_graph_impl: CudaGraphImplOpt = None,
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:

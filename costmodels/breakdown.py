@@ -15,6 +15,7 @@ class StepTime(NamedTuple):
     """Where one optimizer step's time goes; the parts sum to the step time."""
     compute: object        # forward + backward work of the slowest stage, m micro-batches
     recompute: object      # activation recomputation (selective modules, full / block)
+    offload: object        # exposed activation copies to and from host memory (--cpu-offloading-num-layers)
     tp_comm: object        # exposed tensor-parallel (and expert-TP) collectives
     cp_comm: object        # exposed context-parallel ring exchanges
     ep_comm: object        # exposed MoE all-to-alls

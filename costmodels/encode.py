@@ -84,6 +84,7 @@ def encode_cluster(c: ClusterSpec) -> dict:
         peak_bf16=c.gpu.peak_flops_bf16,
         matmul_frac_bf16=c.gpu.matmul_frac_bf16,   # MAMF / peak: unfused attention's batched GEMMs
         exp_x=c.gpu.exp_throughput_x,               # softmax exponential rate (2: Blackwell Ultra)
+        host_bw=c.gpu.host_link_bw_bytes_per_s,     # to host memory, per direction (CPU offloading's copies)
     )
     return {k: np.float32(v) for k, v in vals.items()}
 
@@ -195,6 +196,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         # sequence packing: the mean example length attention stays inside (0: the whole sequence)
         packed_tokens=float(j.framework.packed_example_tokens),
         allgather_dispatch=float(j.framework.moe_token_dispatcher_type is DispatcherType.ALLGATHER),
+        # --cpu-offloading-num-layers: layers whose activations go to host memory between forward and backward
+        offload_layers=float(j.framework.cpu_offloading_num_layers),
         memory_limit=memory_limit_bytes if memory_limit_bytes else c.gpu.hbm_bytes,
         **cuda_graph_capture(j.framework),     # 0/1 per captured region (costmodels/compute.py host_kernels)
     )

@@ -206,6 +206,29 @@ def tp_buffer_bytes(S: Shapes, M: dict, J: dict):
     return jnp.where(S.tp > 1, 2.0 * S.tokens * M["hidden"] * J["act_bytes"], 0.0)
 
 
+#: achieved share of the host link for activation copies from and to pinned host memory (cudaMemcpyAsync:
+#: NVIDIA's bandwidthTest reaches ~26 of PCIe Gen4 x16's 32 GB/s and ~52 of Gen5's 64 per direction)
+HOST_COPY_EFF = 0.8
+
+
+def offloaded_layers(J: dict, n):
+    """Layers of a rank whose activations are in host memory at the peak, with --cpu-offloading-num-layers N:
+    Transformer Engine's offload handler frees a layer's saved tensors once their copy out has finished, which it
+    waits for at the end of the next layer's forward, so one offloaded layer is still on the GPU (N - 1 are not)."""
+    return jnp.clip(J["offload_layers"] - 1.0, 0.0, jnp.maximum(n - 1.0, 0.0))
+
+
+def offload_copy_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams, n, fwd, bwd):
+    """Exposed time per micro-batch of a rank's activation copies with --cpu-offloading-num-layers: each of the
+    offloaded layers' saved tensors go to host memory while the next layer's forward runs and come back while the
+    next layer's backward runs (prefetched one layer ahead), over the host link (PCIe, or NVLink-C2C on Grace
+    superchips); a copy longer than that layer's work holds the compute stream for the rest. fwd / bwd: one
+    layer's forward / backward time. Recomputation is off with offloading (Megatron-Core rule)."""
+    n_off = jnp.minimum(J["offload_layers"], n)
+    t_copy = activation_bytes(S, M, J, e).none / (H["host_bw"] * HOST_COPY_EFF)
+    return n_off * (jnp.maximum(t_copy - fwd, 0.0) + jnp.maximum(t_copy - bwd, 0.0))
+
+
 def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataParallelGroups,
                 n, n_recomputed, params: StageParams, rank, holds_logits, acts: ActivationBytes) -> Memory:
     """Memory of pipeline rank `rank` holding n layers (n_recomputed of them fully recomputed). With LoRA the
@@ -220,7 +243,7 @@ def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataPa
     h, g = M["hidden"], M["gated"]
     largest_matrix = jnp.maximum(jnp.maximum(M["ffn"], M["q_up_n"]) * h, M["expert_ffn"] * h * (1.0 + g)) / S.tp
     per_layer = jnp.where(S.rec_sel > 0, acts.selective, acts.none)
-    act_stage = n_recomputed * acts.full + (n - n_recomputed) * per_layer
+    act_stage = n_recomputed * acts.full + (n - n_recomputed - offloaded_layers(J, n)) * per_layer
     weights = (wbytes * sharded(params, groups, z >= 3) + z3 * 2.0 * J["weight_bytes"] * largest_matrix
                + J["weight_bytes"] * adapters)
     gradients = J["grad_bytes"] * sharded(trained, groups, z >= 2)

@@ -31,11 +31,12 @@ from .params import EfficiencyParams
 MLP_SHARE_OF_TP_COMM = 0.5
 
 
-def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head, sync):
+def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head, sync, offload):
     """Per micro-batch time terms of a stage with n layers (embed / head: 0/1 flags); S.frac_moe is
-    this stage's share of MoE layers."""
+    this stage's share of MoE layers; offload(S, n, fwd, bwd): the exposed CPU-offloading copies."""
     fm, r = S.frac_moe, S.rec_mod
     fb_layer = (1.0 - fm) * (lt.fwd_dense + lt.bwd_dense) + fm * (lt.fwd_moe + lt.bwd_moe)
+    fwd_layer, bwd_layer = (1.0 - fm) * lt.fwd_dense + fm * lt.fwd_moe, (1.0 - fm) * lt.bwd_dense + fm * lt.bwd_moe
     full_layer = (1.0 - fm) * (lt.fwd_dense - w.remat_skip_dense) + fm * (lt.fwd_moe - w.remat_skip_moe)
     head_tp = 2.0 * lc.tp_pair * hw_head.outputs         # the output layer's TP collectives, per pass through it
     head_compute = hw_head.logits_fwd_bwd + hw_head.loss + hw_head.mtp
@@ -43,6 +44,7 @@ def _stage_time(S, n, n_rec, embed, head, w, lt, lc, hw_head, sync):
         compute=n * fb_layer + embed * hw_head.embedding + head * head_compute,
         ends=embed * hw_head.embedding + head * (head_compute + head_tp),
         recompute=n * compute.selective_recompute_s(S, w) + n_rec * full_layer,
+        offload=offload(S, n, fwd_layer, bwd_layer),
         tp=n * ((1.0 - fm) * (lc.tp_dense + lc.tp_dense_bwd) + fm * (lc.tp_moe + lc.tp_moe_bwd))
         + n_rec * ((1.0 - fm) * lc.tp_dense + fm * lc.tp_moe) + head * head_tp
         + n * ((1.0 - fm) * r.mlp * MLP_SHARE_OF_TP_COMM * lc.tp_dense
@@ -93,7 +95,7 @@ def _moe_shares(S, M, st):
 
 
 def _gpu(st: dict):
-    return st["compute"] + st["recompute"] + st["tp"] + st["cp"] + st["ep"]
+    return st["compute"] + st["recompute"] + st["offload"] + st["tp"] + st["cp"] + st["ep"]
 
 
 def _total(st: dict):
@@ -124,9 +126,12 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     whole = S                                            # the model's average, for FLOPs
     S1, S = S._replace(frac_moe=fm1), S._replace(frac_moe=fm_rest)
     n_rec = [pipeline.recomputed_layers(S, P, n) for n in (st.first, st.mid, st.last)]
-    first = _stage_time(S1, st.first, n_rec[0], 1.0, st.single, w, lt, lc, head, sync)
-    mid = _stage_time(S, st.mid, n_rec[1], 0.0, 0.0, w, lt, lc, head, sync)
-    last = _stage_time(S, st.last, n_rec[2], st.single, 1.0, w, lt, lc, head, sync)
+
+    def offload(Sx, n, fwd, bwd):
+        return memory.offload_copy_s(Sx, M, H, J, e, n, fwd, bwd)
+    first = _stage_time(S1, st.first, n_rec[0], 1.0, st.single, w, lt, lc, head, sync, offload)
+    mid = _stage_time(S, st.mid, n_rec[1], 0.0, 0.0, w, lt, lc, head, sync, offload)
+    last = _stage_time(S, st.last, n_rec[2], st.single, 1.0, w, lt, lc, head, sync, offload)
     t_first, t_mid, t_last = _total(first), _total(mid), _total(last)
     slowest = pipeline.largest(t_first, t_mid, t_last, st.has_mid)
     t_max = slowest.pick(t_first, t_mid, t_last)
@@ -180,6 +185,7 @@ def evaluate(plans: dict, model: dict, hw: dict, job: dict, e: EfficiencyParams)
     step = m * (t_max + t_acc) + bubble + pp_comm + dp_comm + t_opt + overhead
     time = StepTime(compute=m * (slowest.pick(first["compute"], mid["compute"], last["compute"]) + t_acc),
                     recompute=m * slowest.pick(first["recompute"], mid["recompute"], last["recompute"]),
+                    offload=m * slowest.pick(first["offload"], mid["offload"], last["offload"]),
                     tp_comm=m * slowest.pick(first["tp"], mid["tp"], last["tp"]),
                     cp_comm=m * slowest.pick(first["cp"], mid["cp"], last["cp"]),
                     ep_comm=m * slowest.pick(first["ep"], mid["ep"], last["ep"]),

@@ -74,6 +74,8 @@ def _gpu_from_entry(name: str, entry: dict) -> GPUSpec:
             si[f"matmul_frac_{prec}"] = float(entry[f"mamf_{prec}_frac"])
     if entry.get("exp_throughput_x") is not None:      # softmax exponential rate (2: Blackwell Ultra)
         si["exp_throughput_x"] = float(entry["exp_throughput_x"])
+    if entry.get("host_gbps") is not None:             # the link to host memory (CPU offloading's copies)
+        si["host_link_bw_bytes_per_s"] = float(round(entry["host_gbps"] * GIGA))
     return GPUSpec(name=name, family=entry["family"], gpus_per_node=entry["gpus_per_node"],
                    source=_one_line(entry["source"]), **si)
 

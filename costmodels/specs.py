@@ -315,12 +315,15 @@ class GPUSpec:
     # shared fused-attention efficiency stands for: 2 on Blackwell Ultra (B300, GB300), which doubles
     # Blackwell's at the same tensor-core peaks; 1 elsewhere (attention_core_fwd_bwd_s)
     exp_throughput_x: float = 1.0
+    # the GPU's link to host memory, per direction (what --cpu-offloading's copies run over): PCIe, or NVLink-C2C
+    # on Grace superchips; the default is PCIe Gen4 x16's 32 GB/s
+    host_link_bw_bytes_per_s: float = 32e9
     family: str = ""                     # calibration family, e.g. "ampere", "hopper"
     source: str = ""
 
     def __post_init__(self):
         for f in ("peak_flops_bf16", "hbm_bytes", "hbm_bandwidth_bytes_per_s",
-                  "intra_node_bw_bytes_per_s", "inter_node_bw_bytes_per_s"):
+                  "intra_node_bw_bytes_per_s", "inter_node_bw_bytes_per_s", "host_link_bw_bytes_per_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise SpecError(f, f"must be a positive number, got {v!r}")
@@ -689,6 +692,12 @@ class FrameworkSpec:
     # THD layout with their boundaries (cu_seqlens), so a query attends only inside its own example. 0 = one document
     # per sequence: causal attention over the whole sequence (Megatron's pretraining datasets)
     packed_example_tokens: int = 0
+    # --cpu-offloading-num-layers N (Megatron-Core model_parallel_config.py; arguments.py turns --cpu-offloading on
+    # for N > 0): Transformer Engine's CPU offload context copies the activations of N transformer layers to host
+    # memory after their forward and back before their backward (activations only: Megatron's default
+    # cpu_offloading_activations=True, cpu_offloading_weights=False). Megatron-Bridge's Llama-3 70B FSDP recipes use
+    # it (20-40 of 80 layers). 0 = off
+    cpu_offloading_num_layers: int = 0
 
     def __post_init__(self):
         cf = self.moe_expert_capacity_factor
@@ -715,6 +724,7 @@ class FrameworkSpec:
             raise SpecError("packed_example_tokens", "packed sequences need a fused attention kernel (Transformer "
                             "Engine's THD layout); Megatron's unfused attention takes no example boundaries: use "
                             "attention_backend=flash or fused")
+        self._check_cpu_offloading()
         mods = self.lora_target_modules
         if not isinstance(mods, tuple) or not mods or not all(isinstance(m, LoraModule) for m in mods) \
                 or len(set(mods)) != len(mods):
@@ -775,6 +785,30 @@ class FrameworkSpec:
                 and CudaGraphModule.MOE_PREPROCESS in mods):
             raise SpecError("cuda_graph_modules", "moe_preprocess cannot be captured with the alltoall dispatcher and "
                             "an expert capacity factor (its preprocess copies to the host; Megatron-Core rule)")
+
+    def _check_cpu_offloading(self) -> None:
+        """--cpu-offloading-num-layers: a Megatron-Core option, and Megatron refuses it with per-layer CUDA graphs
+        (transformer_config.py: "CUDA graphs not supported with CPU offloading" unless full_iteration)."""
+        n = self.cpu_offloading_num_layers
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_SIZE["num_layers"]:
+            raise SpecError("cpu_offloading_num_layers", f"must be an integer number of layers in 0..{MAX_SIZE['num_layers']} "
+                            f"(0 = off), got {n!r}")
+        if not n:
+            return
+        if self.framework is not Framework.MEGATRON:
+            raise SpecError("cpu_offloading_num_layers", f"activation CPU offloading is a Megatron-Core option "
+                            f"(--cpu-offloading-num-layers); {self.framework.value} has none here: use 0")
+        if self.cuda_graph_impl.per_layer:
+            raise SpecError("cpu_offloading_num_layers", f"Megatron-Core refuses CPU offloading with per-layer CUDA "
+                            f"graphs (cuda_graph_impl={self.cuda_graph_impl.value}); use none or full_iteration")
+
+    def check_cpu_offloading_for(self, model: "ModelSpec") -> None:
+        """Megatron-Core offloads fewer layers than the model has (transformer_config.py: "CPU offloading can be
+        done only for layers less than num_layers")."""
+        n = self.cpu_offloading_num_layers
+        if n and n >= model.num_layers:
+            raise SpecError("cpu_offloading_num_layers", f"must be less than the model's {model.num_layers} layers "
+                            f"(Megatron-Core rule), got {n}")
 
     def check_cuda_graphs_for(self, model: "ModelSpec") -> None:
         """The modules a model must have for its --cuda-graph-modules (Megatron-Core asserts moe / moe_router

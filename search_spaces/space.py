@@ -36,6 +36,7 @@ class Problem:
     def __post_init__(self):
         self.job.framework.check_cuda_graphs_for(self.model)   # modules the model must have
         self.job.framework.check_mtp_for(self.model)           # MTP where the framework runs it
+        self.job.framework.check_cpu_offloading_for(self.model)  # fewer offloaded layers than the model has
         self.job.check_fp8_recipe_for(self.cluster.gpu)          # an fp8 recipe the GPU runs
 
 
@@ -306,6 +307,16 @@ RULES: tuple[Rule, ...] = (
                        f"recompute_modules={'+'.join(modules_of_mask(_v(a, 'recompute_modules')))} are only used with "
                        f"recompute=selective, got recompute={Recompute(_v(a, 'recompute')).name.lower()} "
                        f"(Megatron --recompute-granularity; 2 choices: selective or full)")),
+    # --cpu-offloading-num-layers (transformer_config.py): "Currently there is no support for Pipeline parallelism with
+    # CPU offloading" and "CPU offloading does not work when activation recomputation is enabled"
+    Rule("cpu_offloading_no_pp", lambda a, p: (p.job.framework.cpu_offloading_num_layers == 0) | (a["pp"] == 1),
+         lambda a, p: f"pp={_v(a,'pp')} with cpu_offloading_num_layers={p.job.framework.cpu_offloading_num_layers}: "
+                      "Megatron-Core has no pipeline parallelism with CPU offloading; use pp=1"),
+    Rule("cpu_offloading_no_recompute", lambda a, p: (p.job.framework.cpu_offloading_num_layers == 0)
+         | (a["recompute"] == int(Recompute.NONE)),
+         lambda a, p: f"recompute={Recompute(_v(a, 'recompute')).name.lower()} with cpu_offloading_num_layers="
+                      f"{p.job.framework.cpu_offloading_num_layers}: Megatron-Core's CPU offloading does not work with "
+                      "activation recomputation; use recompute=none"),
     Rule("batch_divisible", lambda a, p: p.job.global_batch % (a["dp"] * a["mbs"]) == 0,
          lambda a, p: f"global_batch={p.job.global_batch} must divide by dp*mbs = {_v(a,'dp')}*{_v(a,'mbs')}"),
     Rule("microbatches", lambda a, p: _mb(a, p) >= 1,

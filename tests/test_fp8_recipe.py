@@ -151,7 +151,7 @@ def test_megatron_export_names_the_recipe():
 
 @pytest.mark.parametrize("recipe,gpu,gather,preset", [
     ("delayed", "h100", True, "bf16_with_fp8_delayed_scaling_mixed"),
-    ("tensorwise", "h100", False, "bf16_with_fp8_current_scaling_mixed"),
+    ("tensorwise", "h100", True, "bf16_with_fp8_current_scaling_mixed"),     # fp8_param_gather = True in its preset
     ("mxfp8", "b200", True, "bf16_with_mxfp8_mixed"),
     ("blockwise", "h100", False, "bf16_with_fp8_subchannel_scaling_mixed"),
 ])

@@ -47,6 +47,7 @@ def _problem(model=DENSE, job=JOB, cluster=CLUSTER16) -> Problem:
 # (rule, why, problem, plan that breaks the rule, the same plan fixed[, rules it must also break])
 _DS = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(framework=Framework.DEEPSPEED))
 _EP_OVERLAP = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(overlap_moe_expert_parallel_comm=True))
+_OFFLOAD = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(cpu_offloading_num_layers=2))
 
 _CASES = [
     ("gpus", "tp*pp*dp != gpus", _problem(),
@@ -161,6 +162,11 @@ _CASES = [
     ("deepspeed_recompute", "block recompute on DeepSpeed's pipeline engine", _problem(job=_DS),
      Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=2), Plan(dp=16, recompute=Recompute.FULL,
                                                                            recompute_layers=2)),
+    # --cpu-offloading-num-layers (transformer_config.py): no pipeline, no recomputation
+    ("cpu_offloading_no_pp", "CPU offloading with a pipeline", _problem(job=_OFFLOAD),
+     Plan(pp=2, dp=8), Plan(tp=2, dp=8)),
+    ("cpu_offloading_no_recompute", "CPU offloading with full recompute", _problem(job=_OFFLOAD),
+     Plan(dp=16, recompute=Recompute.FULL), Plan(dp=16, recompute=Recompute.NONE)),
     ("recompute_layers_chunk", "block recompute of a whole chunk", _problem(),
      Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=4),
      Plan(pp=2, dp=8, recompute=Recompute.FULL, recompute_layers=3)),
