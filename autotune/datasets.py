@@ -8,7 +8,10 @@ the 8 end-to-end iteration times of Korthikanti et al. 2022 Table 5 (GPT 22B-1T 
 selective recompute + sequence parallelism); no fit ever sees them (calibration and the shipped
 defaults use `public` + `small-scale`), so they are an out-of-sample check. `vtrain-multi` holds vTrain's
 109 multi-node iteration times (GPT 3.6B-175B on 64-512 A100, many plans per job), converted from its
-CSV by `vtrain_multi_rows`; no fit sees them either.
+CSV by `vtrain_multi_rows`; no fit sees them either. `bridge-dense` holds Megatron-Bridge's published dense Llama-3
+pre-training runs (8B / 70B / 405B on H100, B200, GB200, GB300 in FP8, MXFP8 and NVFP4, NeMo containers 25.09-26.06;
+built by tests/benchmarks/bridge_dense_rows.py from the project's docs): the shared file holds the same pages' MoE
+rows only, so these are held out of every fit as well.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from costmodels.specs import SpecError
 
 #: dataset name -> file under autotune/data/
 DATASETS = {"public": "public_runs.json", "small-scale": "small_scale_runs.json",
-            "korthikanti22": "korthikanti22_table5.json", "vtrain-multi": "vtrain_multi_runs.json"}
+            "korthikanti22": "korthikanti22_table5.json", "vtrain-multi": "vtrain_multi_runs.json",
+            "bridge-dense": "bridge_dense_runs.json"}
 
 #: the datasets fits train on (fit_defaults, the cross-validation); the others are held out
 TRAINING_DATASETS = ("public", "small-scale")

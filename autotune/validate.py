@@ -163,8 +163,15 @@ def is_bridge_recipe(row: dict) -> bool:
 def _fp8_param_recipe(row: dict) -> bool:
     """Whether a NeMo / Megatron-Bridge recipe's fp8 run kept fp8 primary weights. Megatron-Bridge: what the
     mixed-precision preset of its recipe sets, which Bridge applies over the model config at runtime
-    (export.BRIDGE_FP8_PRESETS, the table the Bridge export uses: delayed and MXFP8 keep them, current scaling
-    and subchannel / block scaling do not). NeMo's own pages: "mx" or "delayed" in the label."""
+    (export.BRIDGE_FP8_PRESETS, the table the Bridge export uses: delayed, current scaling and MXFP8 keep them,
+    subchannel / block scaling does not); where a row's recipe reading records the run's own value (the dense rows:
+    fp8_param_gather, and fp4_param_gather for NVFP4, which Bridge's nvfp4 preset sets from v0.4.0), that value.
+    NeMo's own pages: "mx" or "delayed" in the label."""
+    rec = _recipe(row)
+    if str((row.get("plan") or {}).get("precision_key") or "").lower() == "fp4":
+        return bool((rec.get("extras") or {}).get("fp4_param_gather"))
+    if rec.get("fp8_param_gather") is not None:
+        return bool(rec["fp8_param_gather"])
     if is_bridge_recipe(row):
         return BRIDGE_FP8_PRESETS[fp8_recipe_of(row)][1]
     prec = str((row.get("plan") or {}).get("precision") or "").lower()
@@ -289,17 +296,27 @@ def recipe_vpp(row: dict) -> int | None:
 
 
 def bridge_recipe_options(row: dict) -> dict:
-    """The framework options the recipe ran a published Megatron-Bridge MoE run with: its dispatcher,
-    batch-level EP overlap, token drop, CUDA graphs, TP overlap (where recorded) and fp8 attention."""
+    """The framework options the recipe ran a published Megatron-Bridge run with: for MoE runs its dispatcher,
+    batch-level EP overlap and token drop; for every run its CUDA graphs, TP overlap (where recorded), fp8
+    attention, and, where the dense rows' reading records them, activation CPU offloading and the distributed
+    optimizer's overlap of gradient reduction and parameter gathering."""
     rec = _recipe(row)
-    if rec.get("moe_token_dispatcher_type") is None:
+    moe = rec.get("moe_token_dispatcher_type") is not None
+    if not moe and not str(row.get("id", "")).startswith(DENSE_RECIPE_PREFIX):
         return {}
-    out = {"moe_token_dispatcher_type": DispatcherType.parse(rec["moe_token_dispatcher_type"]),
-           "overlap_moe_expert_parallel_comm": bool(rec.get("overlap_moe_expert_parallel_comm"))}
+    out = {}
     extras = rec.get("extras") or {}
+    if moe:
+        out = {"moe_token_dispatcher_type": DispatcherType.parse(rec["moe_token_dispatcher_type"]),
+               "overlap_moe_expert_parallel_comm": bool(rec.get("overlap_moe_expert_parallel_comm"))}
     if extras.get("moe_token_drop"):
         # Bridge's apply_moe_token_drop: --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity
         out["moe_expert_capacity_factor"] = TOKEN_DROP_CAPACITY_FACTOR
+    if rec.get("cpu_offloading_num_layers"):         # WorkloadBaseConfig.cpu_offloading_num_layers
+        out["cpu_offloading_num_layers"] = int(rec["cpu_offloading_num_layers"])
+    for key in ("overlap_grad_reduce", "overlap_param_gather"):
+        if rec.get(key) is not None:
+            out[key] = bool(rec[key])
     if rec.get("tp_comm_overlap") is not None:      # recorded for the tp > 1 rows (comm_overlap.tp_comm_overlap)
         out["tp_comm_overlap"] = bool(rec["tp_comm_overlap"])
     if extras.get("fp8_dot_product_attention"):
@@ -317,6 +334,18 @@ def bridge_recipe_options(row: dict) -> dict:
 
 #: the capacity factor Megatron-Bridge's token-drop recipes set (training/utils/moe_token_drop.py)
 TOKEN_DROP_CAPACITY_FACTOR = 1.0
+#: ids of the dense rows whose recipes recipe_settings.json reads in full (bridge_dense_runs.json)
+DENSE_RECIPE_PREFIX = "mbridge-dense-"
+
+
+def recipe_account_knobs(row: dict) -> dict:
+    """--account-for-embedding/loss-in-pipeline-split as the recipe behind a Megatron-Bridge run set them (the
+    dense rows' reading records them; they act only with pp > 1, which the space's rule asks)."""
+    extras = _recipe(row).get("extras") or {}
+    if _int_or_1((row.get("plan") or {}).get("pp")) < 2:
+        return {}
+    return {knob: int(bool(extras[f"{knob}_in_pipeline_split"])) for knob in ("account_for_embedding", "account_for_loss")
+            if extras.get(f"{knob}_in_pipeline_split") is not None}
 
 
 def recipe_recompute_knobs(row: dict, model: ModelSpec) -> dict:
@@ -463,7 +492,7 @@ def case_from_row(row: dict) -> RowCase:
         grad_reduce_in_fp32=not recipe and fw_kind.grad_reduce_in_fp32_default,
         gradient_accumulation_fusion=fw_kind.gradient_accumulation_fusion_default,
         # their delayed-scaling and MXFP8 recipes gather fp8 primary weights (mixed_precision.py)
-        fp8_param_gather=recipe and precision is Precision.FP8 and _fp8_param_recipe(row),
+        fp8_param_gather=recipe and precision in (Precision.FP8, Precision.FP4) and _fp8_param_recipe(row),
         # Megatron-Bridge runs Transformer Engine's fused cross entropy; every other source leaves it to
         # the framework default of its time (Megatron-Core's: off; Megatron-DeepSpeed has none)
         cross_entropy_loss_fusion=bridge,
@@ -542,6 +571,8 @@ def case_from_row(row: dict) -> RowCase:
     for knob in ("account_for_embedding", "account_for_loss"):      # its --account-for-*-in-pipeline-split
         if plan.get(knob) is not None:
             fixed[knob] = int(bool(plan[knob]))
+    for knob, val in recipe_account_knobs(row).items():
+        fixed.setdefault(knob, val)
     if plan.get("layout"):                           # its --pipeline-model-parallel-layout (which sets vpp)
         fixed["layout"] = str(plan["layout"])
         stages = len(expand_layout(fixed["layout"]))
@@ -928,7 +959,7 @@ def validate_runs(file: str | None = None, *, dataset: str | None = None, params
     that GPU's runs only (the others are skipped, saying so); one for a GPU no run uses is refused."""
     from .datasets import dataset_path
     if (file is None) == (dataset is None):
-        raise SpecError("FILE", "give a runs file or --dataset public|small-scale|korthikanti22|vtrain-multi "
+        raise SpecError("FILE", "give a runs file or --dataset public|small-scale|korthikanti22|vtrain-multi|bridge-dense "
                                 "(one of them)")
     path = dataset_path(dataset) if dataset is not None else file
     rows = load_runs(path)
