@@ -203,7 +203,8 @@ def test_an_amax_pass_never_makes_a_step_faster(tp, mbs, recompute, model):
     # Megatron-Bridge v0.1.0rc3 get_precision_config("fp8", "ss") -> bf16_with_fp8_subchannel_scaling_mixed:
     # fp8_param_gather=False (the label says "MX/blockwise", which once read as fp8 weights)
     ("mbridge-arch-25.09-DeepSeekV3_dropless_-DGX-H100-1024g-alt-273", False),
-    ("mbridge-arch-26.04-Qwen3_30B_a3B-DGX-H100-16g-FP8-129", False),          # current scaling preset
+    # bf16_with_fp8_current_scaling_mixed (get_precision_config("fp8_cs")): fp8_param_gather=True in every tag
+    ("mbridge-arch-26.04-Qwen3_30B_a3B-DGX-H100-16g-FP8-129", True),
     ("mbridge-cur-26.08-DeepSeekV3-DGX-GB200-256g-MXFP8-2", True),             # bf16_with_mxfp8_mixed
 ])
 def test_a_bridge_row_keeps_fp8_weights_as_its_recipes_preset_does(row_id, gather):
