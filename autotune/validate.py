@@ -197,11 +197,18 @@ def zero_stage(row: dict) -> int | None:
     """The ZeRO stage a run used. Megatron-Bridge's tables have an FSDP column whose 0 means
     "Megatron DDP, not FSDP" (docs/performance-summary-archive.md); its recipes run that DDP with
     the distributed optimizer (recipes/common.py: use_distributed_optimizer=True), which is
-    ZeRO-1 in this project's knob, not plain data parallelism."""
+    ZeRO-1 in this project's knob, not plain data parallelism. A NeMo / Megatron-Bridge table without the
+    column (NeMo 24.07's, Bridge's 26.08 page) ran no FSDP either: their performance recipes shard the optimizer
+    (NeMo 1: Apex distributed_fused_adam; NeMo 2 and Bridge: use_distributed_optimizer=True) and turn FSDP on only
+    where a table says so; filled as "fastest legal" instead, such a run read as Megatron FSDP once FSDP's
+    prefetching made it as fast (d0deab4)."""
     plan = row.get("plan") or {}
     z = plan.get("zero_key")
     if z is None:
-        return None
+        if not is_nemo_recipe(row):
+            return None
+        # the distributed optimizer shards over dp x cp: a run without data parallelism has nothing to shard
+        return 1 if _int_or_1(plan.get("dp")) * _int_or_1(plan.get("cp")) > 1 else 0
     text = str(plan.get("distributed_optimizer_or_zero") or "")
     if int(z) == 0 and "FSDP=0" in text.replace(" ", "") and is_nemo_recipe(row):
         return 1

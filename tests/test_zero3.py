@@ -109,3 +109,18 @@ def test_deepspeed_reduces_gradients_in_the_model_dtype_unless_told():
     fp32 = build_problem(model="llama3-8b", gpu="a100-80gb", gpus=64, global_batch=64, seq_len=2048,
                          framework={"framework": "deepspeed", "grad_reduce_in_fp32": True})
     assert json.loads(export("deepspeed", plan, fp32).text)["communication_data_type"] == "fp32"
+
+
+@pytest.mark.parametrize("row_id, zero", [
+    ("nemo-24.07-LLAMA2-7B-8g-SFT", 1),            # no FSDP column: NeMo's distributed optimizer
+    ("nemo-24.07-Nemotron-8B-64g-pre", 1),
+    ("nemo-24.07-LLAMA2-70B-16g-SFT", 0),           # dp 1: nothing to shard
+    ("mbridge-cur-26.08-GPT_OSS_120B-DGX-GB300-64g-MXFP8-5", 1),   # Bridge's 26.08 page: no FSDP column either
+])
+def test_a_recipe_table_without_an_fsdp_column_ran_the_distributed_optimizer(row_id, zero):
+    """NeMo's and Megatron-Bridge's performance recipes shard the optimizer and run FSDP only where a table's FSDP
+    column says so; filled as the fastest legal stage instead, these runs read as Megatron FSDP once its
+    prefetching made FSDP as fast as the distributed optimizer."""
+    row = next(r for r in load_runs(dataset_path("public")) if r["id"] == row_id)
+    case = case_from_row(row)
+    assert case.fixed["zero"] == zero and "zero" not in case.filled
