@@ -124,3 +124,11 @@ def test_a_recipe_table_without_an_fsdp_column_ran_the_distributed_optimizer(row
     row = next(r for r in load_runs(dataset_path("public")) if r["id"] == row_id)
     case = case_from_row(row)
     assert case.fixed["zero"] == zero and "zero" not in case.filled
+
+
+def test_the_megatron_lm_readme_runs_ran_the_distributed_optimizer():
+    """The README's 2024 H100 runs name --overlap-param-gather (distributed optimizer only, arguments.py asserts it)
+    and predate Megatron-Core's FSDP (2025-02): their source entry in launch_settings.json says zero 1."""
+    row = next(r for r in load_runs(dataset_path("public")) if r["id"] == "megatronlm-readme-h100-weak-32B")
+    case = case_from_row(row)
+    assert case.fixed["zero"] == 1 and "zero" not in case.filled
