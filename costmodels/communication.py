@@ -234,9 +234,16 @@ def data_parallel_s(S: Shapes, groups: DataParallelGroups, params_dense, params_
     z1 = exposed(rs, win_b, grad_overlap, tail(rs_d, rs_e, grad_overlap)) \
         + exposed(ag, win_f, param_overlap, tail(ag_d, ag_e, param_overlap))
     z2 = m * exposed(rs, win_b, grad_overlap) + exposed(ag, win_f, param_overlap)
-    ag_frozen = jnp.where(frozen_params > 0, C.all_gather_s(param_bytes * frozen_params, groups.dense, S.tp, H, link,
-                                                            lat), 0.0)
-    t_z3 = m * (2.0 * (ag + ag_frozen) + rs) / jnp.where(deepspeed_zero3 > 0, e.zero3_bw_eff, 1.0)
+    # ZeRO-3 / FSDP issues its collectives layer by layer (one FSDP unit per transformer layer; DeepSpeed: per
+    # module): the bytes of the whole stage, but a ring's latency per layer, (n - 1) hops each; DeepSpeed's stage 3
+    # reaches zero3_bw_eff of the bandwidth (its bytes count 1 / zero3_bw_eff times), at the same latency
+    n_l = jnp.maximum(layers, 1.0)
+    per_layer = 1.0 / (n_l * jnp.where(deepspeed_zero3 > 0, e.zero3_bw_eff, 1.0))
+    ag_l = (C.all_gather_s(param_bytes * (pd + frozen_params) * per_layer, groups.dense, S.tp, H, link, lat)
+            + moe_on * C.all_gather_s(param_bytes * pe * per_layer, groups.expert, S.ep * S.etp, H, link, lat))
+    rs_l = (C.reduce_scatter_s(grad_bytes * pd * per_layer, groups.dense, S.tp, H, link, lat)
+            + moe_on * C.reduce_scatter_s(grad_bytes * pe * per_layer, groups.expert, S.ep * S.etp, H, link, lat))
+    t_z3 = m * n_l * (2.0 * ag_l + rs_l)
     # the window is the layers' work only: the embedding and output layer come before the first
     # gather and after the last reduce-scatter, and compute already hides TP/CP traffic
     # the share that may hide: all of it with Megatron's prefetching FSDP, dp_overlap with DeepSpeed's stage 3

@@ -78,10 +78,15 @@ def test_zero3_bw_eff_moves_deepspeed_only(lo, hi):
 
 
 def test_exposed_zero3_traffic_scales_with_the_inverse_bandwidth_share():
-    """Nothing hides (dp_overlap 0): DeepSpeed's exposed gathers and reduce-scatters go as 1 / zero3_bw_eff."""
-    slow = _dp_comm("deepspeed", EfficiencyParams(dp_overlap=0.0, zero3_bw_eff=0.1))
-    fast = _dp_comm("deepspeed", EfficiencyParams(dp_overlap=0.0, zero3_bw_eff=0.2))
-    assert slow == pytest.approx(2.0 * fast, rel=1e-3)
+    """Nothing hides (dp_overlap 0): DeepSpeed's exposed gathers and reduce-scatters go as 1 / zero3_bw_eff in their
+    bytes, not in their rings' latency (a ring's n - 1 hops per layer's collective, collective_latency_s 0 here
+    removes the launch part): with the latency as its own term, slow - lat = 2 (fast - lat)."""
+    p = dict(dp_overlap=0.0, collective_latency_s=0.0)
+    slow = _dp_comm("deepspeed", EfficiencyParams(zero3_bw_eff=0.1, **p))
+    fast = _dp_comm("deepspeed", EfficiencyParams(zero3_bw_eff=0.2, **p))
+    inf = _dp_comm("deepspeed", EfficiencyParams(zero3_bw_eff=1e9, **p))          # the latency alone
+    assert slow - inf == pytest.approx(2.0 * (fast - inf), rel=1e-3)
+    assert 0.0 < inf < fast
 
 
 @pytest.mark.parametrize("dp_overlap", [0.0, 0.5131, 1.0])
