@@ -67,7 +67,7 @@ FRAMEWORK_OPTIONS = {"--framework", "--attention-backend", "--tp-comm-overlap", 
                      "--moe-permute-fusion", "--no-moe-permute-fusion", "--cross-entropy-loss-fusion",
                      "--no-cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "--fp8-recipe",
                      "--fp8-dot-product-attention", "--no-fp8-dot-product-attention", "--lora-dim",
-                     "--lora-target-modules", "--packed-example-tokens", "--mtp-num-layers"}
+                     "--lora-target-modules", "--packed-example-tokens", "--mtp-num-layers", "--cpu-offloading-num-layers"}
 SURFACE = {
     "": {"--version"},
     "search": PROBLEM_OPTIONS | FRAMEWORK_OPTIONS | {"--strategy", "--top", "--out", "--no-save", "--trials", "--timeout", "--sampler",
