@@ -351,7 +351,8 @@ def recipe_account_knobs(row: dict) -> dict:
     extras = _recipe(row).get("extras") or {}
     if _int_or_1((row.get("plan") or {}).get("pp")) < 2:
         return {}
-    return {knob: int(bool(extras[f"{knob}_in_pipeline_split"])) for knob in ("account_for_embedding", "account_for_loss")
+    return {knob: int(bool(extras[f"{knob}_in_pipeline_split"]))
+            for knob in ("account_for_embedding", "account_for_loss")
             if extras.get(f"{knob}_in_pipeline_split") is not None}
 
 
@@ -966,8 +967,8 @@ def validate_runs(file: str | None = None, *, dataset: str | None = None, params
     that GPU's runs only (the others are skipped, saying so); one for a GPU no run uses is refused."""
     from .datasets import dataset_path
     if (file is None) == (dataset is None):
-        raise SpecError("FILE", "give a runs file or --dataset public|small-scale|korthikanti22|vtrain-multi|bridge-dense "
-                                "(one of them)")
+        raise SpecError("FILE", "give a runs file or --dataset "
+                                "public|small-scale|korthikanti22|vtrain-multi|bridge-dense (one of them)")
     path = dataset_path(dataset) if dataset is not None else file
     rows = load_runs(path)
     if not rows:

@@ -791,8 +791,8 @@ class FrameworkSpec:
         (transformer_config.py: "CUDA graphs not supported with CPU offloading" unless full_iteration)."""
         n = self.cpu_offloading_num_layers
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_SIZE["num_layers"]:
-            raise SpecError("cpu_offloading_num_layers", f"must be an integer number of layers in 0..{MAX_SIZE['num_layers']} "
-                            f"(0 = off), got {n!r}")
+            raise SpecError("cpu_offloading_num_layers", f"must be an integer number of layers in "
+                            f"0..{MAX_SIZE['num_layers']} (0 = off), got {n!r}")
         if not n:
             return
         if self.framework is not Framework.MEGATRON:
