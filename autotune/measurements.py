@@ -290,6 +290,10 @@ def megatron_log_job(text: str) -> dict:
     mtp = args.get("mtp_num_layers")
     if mtp is not None and (mtp.strip() == "None" or re.fullmatch(r"\d+", mtp.strip())):
         out["mtp_num_layers"] = 0 if mtp.strip() == "None" else int(mtp)
+    # the layers whose activations it offloaded to host memory (Megatron's default 0: none)
+    off = args.get("cpu_offloading_num_layers")
+    if off is not None and re.fullmatch(r"\d+", off.strip()):
+        out["cpu_offloading_num_layers"] = int(off)
     return out
 
 
@@ -350,9 +354,10 @@ def calibrate_megatron_log(path: str, *, model: str, gpu: str, gpus: int | None 
         global_batch = job.get("global_batch", gbs[-1] if gbs else None)
     problem = build_problem(model=model, gpu=gpu, gpus=gpus, global_batch=global_batch,
                             seq_len=seq_len if seq_len is not None else job.get("seq_len"), precision=precision,
-                            gpus_per_node=gpus_per_node, framework={"mtp_num_layers": job.get("mtp_num_layers")})
-    if "mtp_num_layers" in job:
-        read.append("mtp_num_layers")
+                            gpus_per_node=gpus_per_node, framework={"mtp_num_layers": job.get("mtp_num_layers"),
+                                                                    "cpu_offloading_num_layers":
+                                                                        job.get("cpu_offloading_num_layers")})
+    read += [key for key in ("mtp_num_layers", "cpu_offloading_num_layers") if key in job]
     if plan:
         the_plan = plan_from_text(plan, problem)
         for knob in ("tp", "pp", "dp", "cp"):

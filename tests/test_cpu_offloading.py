@@ -160,3 +160,16 @@ def test_the_cli_option_and_its_one_line_error():
     assert_one_line_error(run(*args, "--cpu-offloading-num-layers", "80"), 2, "cpu_offloading_num_layers")
     assert_one_line_error(run(*args, "--cpu-offloading-num-layers", "20", "--plan", "tp=1,pp=2,mbs=2,zero=3"), 2,
                           "cpu_offloading_no_pp")
+
+
+@pytest.mark.parametrize("value, expected", [("20", 20), ("0", 0)])
+def test_a_megatron_log_says_how_many_layers_it_offloaded(value, expected):
+    """calibrate --megatron-log reads --cpu-offloading-num-layers from the log's argument dump (arguments.py
+    _print_args), as it reads the parallelism and the MTP modules."""
+    from autotune.measurements import megatron_log_job
+    log = ("------------------------ arguments ------------------------\n"
+           f"  cpu_offloading_num_layers ....................... {value}\n"
+           "  world_size ...................................... 64\n"
+           "-------------------- end of arguments ---------------------\n")
+    job = megatron_log_job(log)
+    assert job["cpu_offloading_num_layers"] == expected and job["world_size"] == 64
