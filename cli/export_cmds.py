@@ -76,7 +76,7 @@ def _problem_and_plans(report, plan, model, gpu, gpus, global_batch, seq_len, pr
 
 def problem_text(problem) -> str:
     """The problem solved, in one line: model and parameter count, GPUs and nodes, NVLink domain,
-    global batch x sequence, precision."""
+    global batch x sequence, precision, CPU-offloaded layers."""
     from autotune.launch import nodes_of
 
     counts = problem.model.param_counts()
@@ -85,10 +85,12 @@ def problem_text(problem) -> str:
     if n_mtp:
         active += f", {n_mtp} MTP module{'s' if n_mtp > 1 else ''} of {counts['mtp'] / 1e9:.1f} B more"
     nodes, per_node = nodes_of(problem.cluster)
+    n_off = problem.job.framework.cpu_offloading_num_layers
+    offload = f", activations of {n_off} layers offloaded to host memory" if n_off else ""
     return (f"{problem.model.name} ({counts['total'] / 1e9:.1f} B parameters{active}) on {problem.cluster.num_gpus} x "
             f"{problem.cluster.gpu.name} ({nodes} nodes of {per_node}, NVLink domain {problem.cluster.nvlink_domain_size} "
             f"GPUs), global batch {problem.job.global_batch} x {problem.job.seq_len} tokens, "
-            f"{problem.job.precision.value}")
+            f"{problem.job.precision.value}{offload}")
 
 
 def finish_report(report: dict, problem, export_to: str | None = None) -> dict:

@@ -157,6 +157,8 @@ def test_the_cli_option_and_its_one_line_error():
     doc = json.loads(out.stdout)
     assert doc["time_breakdown_s"]["offload"] >= 0.0 and doc["fits"]
     assert not json.loads(run(*args, "--json").stdout)["fits"]
+    text = run(*args, "--cpu-offloading-num-layers", "20")
+    assert "activations of 20 layers offloaded to host memory" in text.stdout.split("Problem:")[1].splitlines()[0]
     assert_one_line_error(run(*args, "--cpu-offloading-num-layers", "80"), 2, "cpu_offloading_num_layers")
     assert_one_line_error(run(*args, "--cpu-offloading-num-layers", "20", "--plan", "tp=1,pp=2,mbs=2,zero=3"), 2,
                           "cpu_offloading_no_pp")
