@@ -23,7 +23,7 @@ from costmodels.plan import RECOMPUTE_MODULES, balanced_layout, expand_layout, m
 from costmodels.presets import BW_RANGE_GBPS, GPU_PRESETS, MODEL_PRESETS, build_cluster
 from costmodels.specs import (DEFAULT_LORA_MODULES, AttentionBackend, CrossEntropyImpl, CudaGraphImpl, DispatcherType,
                               Fp8Recipe, Framework, FrameworkSpec, JobSpec, LoraModule, ModelSpec, Precision, Recompute,
-                              SpecError, parse_cuda_graph_modules)
+                              SpecError, parse_cuda_graph_modules, parse_lora_modules)
 from search_spaces.space import Problem, applicable_modules_mask, binding_rules
 
 from .datasets import gpu_generation, launch_settings, launch_settings_by_source, recipe_settings
@@ -396,8 +396,13 @@ def _described(row: dict) -> str:
 
 
 def packed_example_tokens(row: dict) -> int:
-    """The mean example length of a run whose description says its fine-tuning data was packed, from the dataset it
-    names (PACKED_EXAMPLE_TOKENS); 0 when not packed or the dataset is not known (then it is scored unpacked)."""
+    """The mean example length of a run whose description (or recipe reading: `packed_sequence`, `dataset`) says its
+    fine-tuning data was packed, from the dataset it names (PACKED_EXAMPLE_TOKENS); 0 when not packed or the dataset
+    is not known (then it is scored unpacked)."""
+    rec = _recipe(row)
+    if rec.get("packed_sequence") is not None:
+        name = str(rec.get("dataset") or "").lower()
+        return next((n for key, n in PACKED_EXAMPLE_TOKENS.items() if key in name), 0) if rec["packed_sequence"] else 0
     text = _described(row)
     if not _PACKED.search(text):
         return 0
@@ -415,8 +420,12 @@ NEMO1_LAST_RELEASE = (24, 7)
 
 
 def lora_target_modules_of(row: dict) -> tuple:
-    """The LoRA targets a run that does not state them ran: its framework's default (NeMo 1's attention_qkv for a
-    NeMo release up to 24.07, else Megatron-Bridge's / NeMo 2's four linears)."""
+    """The LoRA targets a run ran: its recipe's, where the recipe reading records them (recipe_settings.json), else
+    its framework's default (NeMo 1's attention_qkv for a NeMo release up to 24.07, else Megatron-Bridge's / NeMo
+    2's four linears)."""
+    mods = _recipe(row).get("lora_target_modules")
+    if mods:
+        return parse_lora_modules(mods)
     release = _NEMO_RELEASE.search(_described(row))
     if release and (int(release.group(1)), int(release.group(2))) <= NEMO1_LAST_RELEASE:
         return (LoraModule.LINEAR_QKV,)
@@ -510,7 +519,7 @@ def case_from_row(row: dict) -> RowCase:
     if fw_kind is Framework.MEGATRON and not modern:
         framework = dataclasses.replace(framework, **megatron_2021_options(precision))
     if lora:                          # a LoRA run: its framework's default rank and targets
-        framework = dataclasses.replace(framework, lora_dim=LORA_DIM_DEFAULT,
+        framework = dataclasses.replace(framework, lora_dim=int(_recipe(row).get("lora_dim") or LORA_DIM_DEFAULT),
                                         lora_target_modules=lora_target_modules_of(row))
     packed = min(packed_example_tokens(row), int(m["seq_len"]))
     if packed and framework.attention_backend.is_fused:               # packed fine-tuning data (THD attention)

@@ -349,7 +349,11 @@ RULES: tuple[Rule, ...] = (
          lambda a, p: f"MoE layers with tp={_v(a,'tp')} > 1 need sp=true (Megatron-Core rule)"),
     Rule("tp_overlap_needs_sp", lambda a, p: (not p.job.framework.tp_comm_overlap) | (a["tp"] == 1) | (a["sp"] == 1),
          lambda a, p: f"--tp-comm-overlap with tp={_v(a,'tp')} > 1 needs sp=true (Megatron-Core rule)"),
-    Rule("zero_needs_dp", lambda a, p: (a["zero"] == 0) | (a["dp"] * a["cp"] > 1),
+    # a sharded optimizer over one rank runs in Megatron but equals zero=0, so the space keeps one of the two; not
+    # with --fp8-param-gather, which needs the distributed optimizer even there (Megatron-Bridge's Llama-3 70B LoRA
+    # recipe on 8 H100 runs it at dp 1)
+    Rule("zero_needs_dp", lambda a, p: (a["zero"] == 0) | (a["dp"] * a["cp"] > 1)
+         | ((a["zero"] == 1) & p.job.framework.fp8_param_gather),
          lambda a, p: f"zero={_v(a,'zero')} shards over dp*cp = 1: use zero=0"),
     Rule("zero_framework", lambda a, p: np.isin(a["zero"], zero_stages(p.job)),
          lambda a, p: f"zero={_v(a,'zero')} does not exist in {p.job.framework.framework.value} (stages "

@@ -93,7 +93,7 @@ def test_bridge_dense_rows_are_the_published_tables_and_held_out():
     against the published tables; their recipes' settings are read beside them (recipe_settings.json)."""
     from autotune.datasets import recipe_settings
     rows = {r["id"]: r for r in load_dataset("bridge-dense")}
-    assert len(rows) == 89
+    assert len(rows) == 99
     # 26.04.01, LLAMA3_70B, DGX-H100 | 64 | FP8 | 256 | 1 | 8192 | 0 | 4 | 8 | 1 | 5 | n/a | 1664 | 731
     r = rows["mbridge-dense-26.04.01-LLAMA3_70B-DGX-H100-64g-FP8"]
     p = r["plan"]
@@ -112,6 +112,12 @@ def test_bridge_dense_rows_are_the_published_tables_and_held_out():
     # the recipes behind the FSDP rows offload activations (llama3_workload_base_configs.py)
     assert recipe_settings()["mbridge-dense-26.04.01-LLAMA3_70B-DGX-GB300-64g-FP8"]["cpu_offloading_num_layers"] == 20
     assert recipe_settings()["mbridge-dense-26.04.01-LLAMA3_70B-DGX-GB200-64g-FP8"]["cpu_offloading_num_layers"] == 40
+    # 26.06's fine-tuning tables (Llama-3 70B SFT on 32 GPUs, LoRA on 8): packed SQuAD, LoRA on linear_qkv only
+    lora = rows["mbridge-dense-26.06-LLAMA3_70B-LoRA-DGX-H100-8g-FP8"]
+    assert (lora["plan"]["tp"], lora["plan"]["pp"], lora["plan"]["vpp"], lora["measured"]["tokens_per_s_per_gpu"]) == \
+        (2, 4, 20, 2643)
+    rec = recipe_settings()["mbridge-dense-26.06-LLAMA3_70B-LoRA-DGX-H100-8g-FP8"]
+    assert rec["lora_target_modules"] == ["linear_qkv"] and rec["packed_sequence"] and rec["dataset"] == "squad"
     assert "bridge-dense" not in TRAINING_DATASETS
 
 
@@ -121,5 +127,5 @@ def test_bridge_dense_rows_are_predicted_out_of_sample():
     preset's fp8 weights were modelled, 9.6 % after (README "Accuracy"): a bound that fails if one of them is lost."""
     from autotune.validate import validate_runs
     res = validate_runs(dataset="bridge-dense")
-    assert res["n_scored"] == 89 and res["n_skipped"] == 0 and res["n_not_in_space"] == 0
+    assert res["n_scored"] == 99 and res["n_skipped"] == 0 and res["n_not_in_space"] == 0
     assert res["mape_pct"] < 11.0

@@ -485,3 +485,15 @@ def test_interleaving_takes_a_micro_batch_group_where_pp_does_not_divide(m, pp, 
 def test_interleaving_six_micro_batches_over_four_stages_is_legal():
     # 24 sequences over dp 4: 6 micro-batches, which pp 4 does not divide; Megatron-Core runs them in one group of 6
     check_plan(Plan(pp=4, dp=4, vpp=2), _problem(job=JobSpec(global_batch=24, seq_len=1024)))
+
+
+def test_the_distributed_optimizer_at_dp_1_is_legal_only_for_fp8_primary_weights():
+    """zero=1 over one rank equals zero=0, so the space keeps one of the two; with --fp8-param-gather Megatron needs
+    the distributed optimizer even there (Megatron-Bridge's Llama-3 70B LoRA recipe on 8 H100: tp 2, pp 4, dp 1)."""
+    cluster8 = build_cluster(gpu="h100", num_gpus=8)
+    fp8 = JobSpec(global_batch=32, seq_len=1024, precision=Precision.FP8,
+                  framework=FrameworkSpec(fp8_param_gather=True))
+    plan = Plan(tp=2, pp=4, dp=1, zero=1)
+    check_plan(plan, Problem(DENSE, cluster8, fp8))
+    with pytest.raises(SpecError, match="zero_needs_dp"):
+        check_plan(plan, Problem(DENSE, cluster8, JobSpec(global_batch=32, seq_len=1024)))

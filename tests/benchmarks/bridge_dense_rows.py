@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build autotune/data/bridge_dense_runs.json: the dense Llama pre-training rows of Megatron-Bridge's published
+"""Build autotune/data/bridge_dense_runs.json: the dense Llama rows of Megatron-Bridge's published
 performance tables (docs/performance-summary.md, the 26.08 container, and docs/performance-summary-archive.md,
 25.09-26.06.01), in the validation row schema (shared/validation/README.md).
 
@@ -38,6 +38,8 @@ MODELS = {
     "LLAMA3.1_405B": dict(name="Llama-3.1 405B", layers=126, hidden=16384, ffn_hidden=53248, heads=128, kv_heads=8,
                           vocab=128256, params_billion=405),
 }
+#: the tables' sections -> the task (fine-tuning rows carry it in their id; its recipe says how it ran)
+TASKS = {"Pre-Training Performance": "", "SFT Performance": "SFT", "LoRA Performance": "LoRA"}
 GPU = {"DGX-H100": "h100", "DGX-B200": "b200", "DGX-B300": "b300", "DGX-GB200": "gb200", "DGX-GB300": "gb300"}
 
 
@@ -61,7 +63,8 @@ def num(v):
 
 
 def parse(text, where):
-    """The pre-training rows of the dense models in one page's tables (per-model or per-system tables)."""
+    """The pre-training and fine-tuning (SFT, LoRA) rows of the dense models in one page's tables (per-model or
+    per-system tables)."""
     rows = []
     release = section = model = system = None
     header = None
@@ -82,7 +85,7 @@ def parse(text, where):
             if cells[0] in ("System", "Model"):
                 header = cells
                 continue
-            if header is None or section != "Pre-Training Performance" or release is None:
+            if header is None or section not in TASKS or release is None:
                 continue
             d = dict(zip(header, cells))
             mdl, sysn = d.get("Model", model), d.get("System", system)
@@ -99,7 +102,7 @@ def parse(text, where):
                                  gbs=num(g("GBS")), mbs=num(g("MBS")), seq=num(g("Sequence Length")),
                                  fsdp=num(g("FSDP")) if "FSDP" in d else None, tp=num(g("TP")), pp=num(g("PP")),
                                  cp=num(g("CP")), vp=num(g("VP")), tokens=tok, tflops=num(g("Model TFLOP / sec / GPU")),
-                                 alt=alt, where=where))
+                                 alt=alt, where=where, task=TASKS[section]))
     return rows
 
 
@@ -112,12 +115,15 @@ def to_public(r):
     key = "bf16" if prec == "BF16" else ("fp4" if "FP4" in prec else "fp8")
     dp = r["gpus"] // (r["tp"] * r["pp"] * r["cp"])
     z = 3 if (r["fsdp"] or 0) > 0 else 0
-    rid = f"mbridge-dense-{r['release']}-{r['model']}-{r['system']}-{r['gpus']}g-{prec.replace(' ', '')}{'-alt' if r['alt'] else ''}"
+    task = f"{r['task']}-" if r["task"] else ""
+    rid = (f"mbridge-dense-{r['release']}-{r['model']}-{task}{r['system']}-{r['gpus']}g-{prec.replace(' ', '')}"
+           f"{'-alt' if r['alt'] else ''}")
     seq = r["seq"]
     return {
         "id": rid,
         "source": {"title": "NVIDIA NeMo Megatron-Bridge 'Performance' summary (docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary)",
-                   "table": f"{r['where']} :: {r['release']} container :: Pre-Training Performance :: {r['model']} / {r['system']}",
+                   "table": f"{r['where']} :: {r['release']} container :: "
+                            f"{r['task'] + ' ' if r['task'] else 'Pre-Training '}Performance :: {r['model']} / {r['system']}",
                    "locator": f"github NVIDIA-NeMo/Megatron-Bridge {r['where']} @ {REV_LABEL}",
                    "group": "Megatron-Bridge perf summary, dense (held out)"},
         "model": {"name": m["name"] + f" [{r['model']}]", **{k: v for k, v in m.items() if k != "name"}, "seq_len": seq},
@@ -130,7 +136,9 @@ def to_public(r):
         "measured": {"tflops_per_gpu": r["tflops"], "mfu": None, "hfu": None,
                      "iteration_time_s": round(r["gbs"] * seq / (r["tokens"] * r["gpus"]), 4), "tokens_per_s_per_gpu": r["tokens"],
                      "memory_gb": None, "extra": {"system": r["system"], "release": r["release"], "fsdp": r["fsdp"], "alt": r["alt"]}},
-        "notes": f"Megatron-Bridge perf summary, NeMo {r['release']} container, pre-training. {r['system']}. DP DERIVED = GPUs/(TP*PP*CP). iteration_time_s DERIVED = GBS*seq/(tokens_per_s_per_gpu*GPUs).",
+        "notes": (f"Megatron-Bridge perf summary, NeMo {r['release']} container, "
+                  f"{'fine-tuning (' + r['task'] + ')' if r['task'] else 'pre-training'}. {r['system']}. "
+                  "DP DERIVED = GPUs/(TP*PP*CP). iteration_time_s DERIVED = GBS*seq/(tokens_per_s_per_gpu*GPUs)."),
         "derived_fields": ["plan.dp", "measured.iteration_time_s"],
         "confidence": "high", "usable": True}
 
