@@ -201,18 +201,24 @@ def zero_stage(row: dict) -> int | None:
     column (NeMo 24.07's, Bridge's 26.08 page) ran no FSDP either: their performance recipes shard the optimizer
     (NeMo 1: Apex distributed_fused_adam; NeMo 2 and Bridge: use_distributed_optimizer=True) and turn FSDP on only
     where a table says so; filled as "fastest legal" instead, such a run read as Megatron FSDP once FSDP's
-    prefetching made it as fast (d0deab4)."""
+    prefetching made it as fast (d0deab4). Over one data-parallel rank `case_from_row` reads the distributed
+    optimizer as zero 0 unless fp8 primary weights need it (`one_rank_stage`)."""
     plan = row.get("plan") or {}
     z = plan.get("zero_key")
     if z is None:
-        if not is_nemo_recipe(row):
-            return None
-        # the distributed optimizer shards over dp x cp: a run without data parallelism has nothing to shard
-        return 1 if _int_or_1(plan.get("dp")) * _int_or_1(plan.get("cp")) > 1 else 0
+        return 1 if is_nemo_recipe(row) else None
     text = str(plan.get("distributed_optimizer_or_zero") or "")
     if int(z) == 0 and "FSDP=0" in text.replace(" ", "") and is_nemo_recipe(row):
         return 1
     return int(z)
+
+
+def one_rank_stage(zero: int, plan: dict, fp8_param_gather: bool) -> int:
+    """A distributed optimizer over one data-parallel rank (dp x cp = 1) shards nothing and equals zero 0, which
+    the space keeps instead (rule zero_needs_dp), unless --fp8-param-gather needs it there (Megatron-Bridge's
+    Llama-3 70B LoRA run on 8 H100 has dp 1)."""
+    one_rank = _int_or_1(plan.get("dp")) * _int_or_1(plan.get("cp")) == 1
+    return 0 if zero == 1 and one_rank and not fp8_param_gather else zero
 
 
 def runs_deepspeed_zero(row: dict) -> bool:
@@ -576,7 +582,7 @@ def case_from_row(row: dict) -> RowCase:
         filled.append("sp")
     zero = zero_stage(row)
     if zero is not None:
-        fixed["zero"] = zero
+        fixed["zero"] = one_rank_stage(zero, plan, framework.fp8_param_gather)
     else:
         filled.append("zero")
     if plan.get("etp") is not None:                  # a launch script's --expert-tensor-parallel-size

@@ -19,7 +19,7 @@ from costmodels.plan import Plan
 from costmodels.specs import Recompute, SpecError
 from search_spaces.space import check_plan, enumerate_legal
 from tests.test_cli import assert_one_line_error, run
-from tests.test_export import NAMES
+from tests.test_export import NAMES, megatron_arg_dump
 
 FP8_CS = {"grad_reduce_in_fp32": False, "fp8_recipe": "tensorwise", "fp8_param_gather": True}
 FSDP_70B = Plan(tp=1, pp=1, dp=64, mbs=2, zero=3)
@@ -169,9 +169,5 @@ def test_a_megatron_log_says_how_many_layers_it_offloaded(value, expected):
     """calibrate --megatron-log reads --cpu-offloading-num-layers from the log's argument dump (arguments.py
     _print_args), as it reads the parallelism and the MTP modules."""
     from autotune.measurements import megatron_log_job
-    log = ("------------------------ arguments ------------------------\n"
-           f"  cpu_offloading_num_layers ....................... {value}\n"
-           "  world_size ...................................... 64\n"
-           "-------------------- end of arguments ---------------------\n")
-    job = megatron_log_job(log)
+    job = megatron_log_job(megatron_arg_dump(cpu_offloading_num_layers=value, world_size=64))
     assert job["cpu_offloading_num_layers"] == expected and job["world_size"] == 64

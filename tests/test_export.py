@@ -32,6 +32,13 @@ def _names(target: str) -> set:
 
 NAMES = {t: _names(t) for t in TARGETS}
 
+
+def megatron_arg_dump(**args) -> str:
+    """A Megatron-LM log's argument dump (arguments.py _print_args) holding these arguments."""
+    lines = "".join(f"  {k} {'.' * max(3, 48 - len(k))} {v}\n" for k, v in sorted(args.items()))
+    return ("------------------------ arguments ------------------------\n" + lines
+            + "-------------------- end of arguments ---------------------\n")
+
 PROBLEMS = {
     "dense": dict(model="llama3-8b", gpu="h100", gpus=64, global_batch=256, seq_len=4096),
     "moe": dict(model="mixtral-8x7b", gpu="h100", gpus=64, global_batch=256, seq_len=4096),

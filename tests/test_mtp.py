@@ -21,7 +21,7 @@ from costmodels.plan import Plan, parse_layout
 from costmodels.presets import load_model, model_from_hf_config
 from costmodels.specs import SpecError
 from tests.test_cli import assert_one_line_error, run
-from tests.test_export import NAMES
+from tests.test_export import NAMES, megatron_arg_dump
 
 
 def test_deepseek_v3_mtp_module_parameters_match_the_published_count():
@@ -193,11 +193,7 @@ def test_exports_carry_or_refuse_mtp():
 @pytest.mark.parametrize("value, expected", [("1", 1), ("None", 0)])
 def test_a_megatron_log_says_whether_the_run_built_mtp(value, expected):
     from autotune.measurements import megatron_log_job
-    log = ("------------------------ arguments ------------------------\n"
-           f"  mtp_num_layers .................................. {value}\n"
-           "  world_size ...................................... 8\n"
-           "-------------------- end of arguments ---------------------\n")
-    job = megatron_log_job(log)
+    job = megatron_log_job(megatron_arg_dump(mtp_num_layers=value, world_size=8))
     assert job["mtp_num_layers"] == expected and job["world_size"] == 8
 
 
