@@ -43,6 +43,7 @@ from .search import predict
 from .storage import is_storage_error, load_study, open_storage, redact_url, storage_error
 from .studies import STUDY_ATTR, VERIFY_ATTR
 from .study_spec import StudySpec, default_study_name
+from .runner import claim_device_memory
 from .verify import RUNNERS, plan_slug, verify_plan
 
 OBJECTIVE = "step_time"
@@ -252,6 +253,7 @@ def run_verification_worker(storage_url: str, study_name: str, *, n_trials: int 
                             f"(its values would not compare)")
         run = dataclasses.replace(run, megatron_path=megatron_path or run.megatron_path,
                                   launcher=launcher or run.launcher).checked()
+        claim_device_memory(run.runner)            # before this process's JAX starts a GPU backend
         space = spec.build_space()
         study = load_study(storage, study_name, storage_url, sampler=make_sampler(SAMPLER, seed, space, 1))
         zombies = fail_stale(study, storage, stale_after_s)

@@ -154,6 +154,8 @@ def verify(
     cuda_graph_modules: CudaGraphModulesOpt = None,
 ) -> int:
     """Run a plan for a few steps with a real runner; print predicted vs measured; save the record."""
+    from autotune.runner import claim_device_memory
+    claim_device_memory(runner)                    # before anything here starts JAX's GPU backend
     from autotune import api
     from autotune.verify import plan_slug, verify_plan
     megatron = megatron_options(runner, megatron_path, launcher, dry_run, out)
@@ -233,6 +235,8 @@ def check_verify_options(verify_top: Optional[int], runner: str, megatron_path: 
     if dry_run and runner != "megatron":
         raise SpecError("--dry-run", "applies to --runner megatron")
     megatron_options(runner, megatron_path, launcher, dry_run, ".")
+    from autotune.runner import claim_device_memory
+    claim_device_memory(runner)                    # before the search starts JAX's GPU backend
 
 
 def search_verification(problem, report: dict, k: int, params, as_json: bool, out: str, no_save: bool, *,

@@ -158,3 +158,25 @@ def test_verify_top_goes_on_after_oom_and_keeps_finished_runs_on_ctrl_c(monkeypa
     assert ver["interrupted"] is True
     assert [e["status"] for e in ver["plans"]] == ["oom", "ok"]
     assert ver["plans"][1]["corrected_step_time_s"] == pytest.approx(2.0 * 0.5 / 0.25)
+
+
+@pytest.mark.parametrize("runner, expected", [
+    ("jax", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}),         # the runner may use what Megatron would
+    ("megatron", {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}),    # JAX only scores: the GPUs are Megatron's
+])
+def test_runner_claims_device_memory_before_jax_starts(runner, expected):
+    from autotune.runner import claim_device_memory
+    env = {"PATH": "/usr/bin"}
+    assert claim_device_memory(runner, env) == expected
+    assert env == {"PATH": "/usr/bin", **expected}
+
+
+@pytest.mark.parametrize("chosen", ["XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                    "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR"])
+@pytest.mark.parametrize("runner", ["jax", "megatron"])
+def test_a_users_jax_memory_setting_is_kept(chosen, runner):
+    # jaxlib refuses both fraction names at once: never add one beside the user's
+    from autotune.runner import claim_device_memory
+    env = {chosen: "0.5"}
+    assert claim_device_memory(runner, env) == {}
+    assert env == {chosen: "0.5"}
