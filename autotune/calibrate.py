@@ -26,7 +26,7 @@ from .validate import case_from_row, rate_figure, source_of
 
 #: parameters fitted by default: the time model's efficiencies and overheads (memory constants are
 #: not observable from throughput, so they stay at their documented values). Not gemm_dim_half:
-#: measured on a GPU (tests/gpu/compare_h200.py: 46 over 224 GEMM shapes on an H200), and the public
+#: measured on a GPU (tests/gpu/compare_gpu.py: 46 over 224 GEMM shapes on an H200), and the public
 #: runs do not identify it (held at 46, the refit moves every source's MAPE by < 0.2 points; fitted,
 #: it drifted to 11).
 DEFAULT_FIT = (

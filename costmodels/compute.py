@@ -59,7 +59,7 @@ PERMUTE_BYTES_PER_H = 4.0 * 2.0
 #: backward is 2x forward, so a third of forward + backward): moe_utils.permute's index_select (4.7 B
 #: measured) and unpermute's weight-multiply + zeros + scatter_add_ (29.7 B) forward, a gather (4.7 B)
 #: and an atomic index_add_ (50.7 B) backward, measured on an H200 (tests/data/gpu/h200_microbench_moe.json,
-#: medians over five MoE models' shapes; `python tests/gpu/compare_h200.py`): (4.7+29.7+4.7+50.7)/3
+#: medians over five MoE models' shapes; `python tests/gpu/compare_gpu.py`): (4.7+29.7+4.7+50.7)/3
 UNFUSED_PERMUTE_BYTES_PER_H = 29.9
 #: bytes per token per expert of the router: logits, softmax and top-k over E experts (fp32 read
 #: and write), bf16 elements
@@ -449,7 +449,7 @@ def host_kernels(S: Shapes, M: dict, J: dict, n_dense, n_moe):
 def mlp_down_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     """The MLP's last GEMM (down projection, fc2) of a dense and of an MoE layer: an XLA remat of a layer
     (jax.checkpoint) never recomputes it, as the backward pass reads its input, not its output (counted in
-    the jaxpr of the jax runner's gradient: tests/test_h200_measured.py)."""
+    the jaxpr of the jax runner's gradient: tests/test_gpu_measured.py)."""
     gemm, T, tp, h = _gemm(S, H, J, e), S.tokens, S.tp, M["hidden"]
     n_local = jnp.maximum(M["experts"], 1.0) / S.ep
     moe = (n_local * gemm(S.expert_tokens, h, M["expert_ffn"] / S.etp) + gemm(T, h, M["shared_ffn"] / tp)) * S.is_moe

@@ -17,7 +17,7 @@ class EfficiencyParams(NamedTuple):
     gemm_eff_max: float = 0.9004          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
     gemm_eff_max_fp8: float = 0.9233      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
     gemm_dim_half: float = 46.0           # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim;
-    #                                       measured, not fitted (H200 sweep, tests/gpu/compare_h200.py)
+    #                                       measured, not fitted (H200 sweep, tests/gpu/compare_gpu.py)
     attn_eff_max: float = 0.4852          # flash-attention fwd fraction of bf16 peak (FA2 on A100 ~ 0.6-0.7)
     attn_seq_half: float = 256.0        # sequence length at which attention efficiency halves
     attn_bwd_ratio: float = 2.5         # flash-attention backward time / forward time (5 vs 2 GEMMs)
@@ -25,7 +25,7 @@ class EfficiencyParams(NamedTuple):
     hbm_eff: float = 0.9004               # achieved fraction of HBM bandwidth for memory-bound kernels
     elementwise_bytes_h: float = 25.6107   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
     elementwise_bytes_f: float = 28.9470    # bytes moved per token per FFN unit per layer fwd (activation fn;
-    #                                         H200: compiled SwiGLU 28.8, tests/gpu/compare_h200.py)
+    #                                         H200: compiled SwiGLU 28.8, tests/gpu/compare_gpu.py)
     lp_cast_bytes: float = 4.6078          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
     kernel_overhead_s: float = 4.886e-06     # launch + tail per kernel (dominates small models)
     host_op_s: float = 5.510e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
@@ -99,7 +99,7 @@ def load_params_file(path: str) -> tuple[EfficiencyParams, dict]:
 #: DeepSpeed's ZeRO-3 of 2021 gathered ~21 GB/s per GPU inside one NVLink A100 node (DeepSpeed issue #1174:
 #: a 5.1B model's forward 480 ms under stage 3 vs 60 ms under stage 2, 7/8 of 10.2 GB gathered in 0.42 s),
 #: 0.095 of that node's NVLink bus bandwidth (300 GB/s x 0.75).
-#: Measured on one H200 (tests/gpu/microbench.py, tests/data/gpu/; `python tests/gpu/compare_h200.py`):
+#: Measured on one H200 (tests/gpu/microbench.py, tests/data/gpu/; `python tests/gpu/compare_gpu.py`):
 #: bf16 x @ W^T over 224 shapes fits gemm_dim_half 46 (the literature's 48; not fitted, the same in the
 #: defaults) at 1.0 of MAMF; copy / add /
 #: fused multiply-add reach 0.87-0.93 of the datasheet HBM bandwidth (hbm_eff 0.90). SwiGLU forward +

@@ -3,7 +3,7 @@ micro-batches included, into one XLA program. No host issues kernels one by one,
 step or per micro-batch, so the cost model charges neither the host-dispatch floor nor Megatron's per-step
 and per-micro-batch host work. Golden overheads are the shipped constants' own sums (the terms are the
 constants: step_overhead_s + m x microbatch_overhead_s); the verify runs that motivate it are
-tests/test_h200_measured.py's.
+tests/test_gpu_measured.py's.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_cli_and_refusals():
 
 def test_full_recompute_under_jax_skips_the_mlp_down_projection():
     # an XLA remat replays a layer's forward but not its last GEMM (the backward reads fc2's input, not its
-    # output: tests/test_h200_measured.py counts it in the jaxpr); Megatron replays the whole forward
+    # output: tests/test_gpu_measured.py counts it in the jaxpr); Megatron replays the whole forward
     from costmodels.compute import gemm_s
     plan = "tp=8,pp=1,mbs=1,zero=0,sp=true,recompute=full"
     out = {}

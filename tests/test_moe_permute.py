@@ -21,8 +21,9 @@ from autotune.saved import problem_from_report
 from cli.main import app
 from costmodels import compute
 from costmodels.params import EfficiencyParams
+from costmodels.presets import GPU_PRESETS
 
-_SPEC = importlib.util.spec_from_file_location("compare_h200", Path(__file__).parent / "gpu" / "compare_h200.py")
+_SPEC = importlib.util.spec_from_file_location("compare_gpu", Path(__file__).parent / "gpu" / "compare_gpu.py")
 h200 = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(h200)
 
@@ -39,7 +40,7 @@ def _predict(fusion: bool, plan: str = PLAN, **job):
 def test_unfused_bytes_are_the_measured_kernels():
     # forward: index_select + (weight multiply, zeros, scatter_add_); backward: a gather + an atomic
     # index_add_; a third of the sum is the model's per-forward unit (its backward is 2x forward)
-    mo = h200.moe_section(h200.load(h200.MOE_MICROBENCH))
+    mo = h200.moe_section(h200.load(h200.files("h200")["moe"]), GPU_PRESETS["h200"])
     gather = mo["permute bytes per routed token per h"]["median"]
     un = mo["unpermute bytes per routed token per h"]
     measured = (gather + un["scatter_add_ (Megatron-Core unfused)"]["median"] + gather + un["index_add_"]["median"]) / 3.0

@@ -1,9 +1,11 @@
-"""The cost model's compute terms and the verify runs against what one H200 measured.
+"""The cost model's compute terms and the verify runs against what one lent GPU measured (H200, H100).
 
-    python tests/gpu/compare_h200.py [--microbench FILE] [--runs FILE] [--json]
+    python tests/gpu/compare_gpu.py [--gpu h200|h100] [--microbench FILE] [--runs FILE] [--json]
+    python tests/gpu/compare_gpu.py --across       # the same kernels on the H100 and the H200
 
-Reads the bundled measurements (tests/data/gpu/: `microbench.py` and `verify_gpu.sh` output of
-2026-12-04, provenance in tests/data/gpu/README.md) and prints, beside the cost model's own terms:
+Reads the bundled measurements (tests/data/gpu/GPU_*.json: `microbench*.py` and `verify_gpu.sh` output of
+2026-12-04 (H200) and 2026-12-06 (H100), provenance in tests/data/gpu/README.md) and prints, beside the
+cost model's own terms:
   * GEMM: measured time of each x @ W^T shape vs `costmodels.compute.gemm_s` + one kernel's overhead
     with the shipped defaults and with the literature prior; then the (gemm_eff_max, gemm_dim_half,
     kernel overhead) that fit the measurements themselves (a grid, least squares in log time).
@@ -19,6 +21,8 @@ Reads the bundled measurements (tests/data/gpu/: `microbench.py` and `verify_gpu
     per token per FFN unit per forward-equivalent, beside `elementwise_bytes_f`.
   * a layer's other memory-bound work (`microbench_layer_elementwise.py`): norms, rope, residual adds and
     their chain, bytes per token per hidden unit per forward-equivalent, beside `elementwise_bytes_h`.
+  * --across: each memory-bound kernel's time on the H200 over the H100 (the same 132 SMs at 1,980 MHz,
+    4.8 against 3.35 TB/s) beside a plain copy's and the cost model's (HBM's ratio).
 """
 from __future__ import annotations
 
@@ -35,16 +39,22 @@ sys.path.insert(0, ROOT)
 from costmodels.compute import ATTN_HEAD_DIM_HALF, PERMUTE_BYTES_PER_H, gemm_s, saturate  # noqa: E402
 from costmodels.params import LITERATURE_PRIOR, EfficiencyParams  # noqa: E402
 from costmodels.presets import GPU_PRESETS  # noqa: E402
+from costmodels.specs import GPUSpec  # noqa: E402
 
 DATA = os.path.join(ROOT, "tests", "data", "gpu")
-MICROBENCH = os.path.join(DATA, "h200_microbench.json")
-RUNS = os.path.join(DATA, "h200_verify_runs.json")
-MOE_MICROBENCH = os.path.join(DATA, "h200_microbench_moe.json")
-ACTIVATION = os.path.join(DATA, "h200_microbench_activation.json")
-LAYER_ELEMENTWISE = os.path.join(DATA, "h200_microbench_layer_elementwise.json")
+#: the lent GPUs whose measurements are bundled (tests/data/gpu/GPU_*.json)
+MEASURED_GPUS = ("h200", "h100")
 #: SwiGLU outputs at least this large time their bytes, not launches and host dispatch
 SWIGLU_MIN_ELEMENTS = 2.5e7
-GPU = GPU_PRESETS["h200"]
+
+
+def files(gpu: str) -> dict:
+    """The bundled measurement files of one lent GPU."""
+    return {"microbench": os.path.join(DATA, f"{gpu}_microbench.json"),
+            "runs": os.path.join(DATA, f"{gpu}_verify_runs.json"),
+            "moe": os.path.join(DATA, f"{gpu}_microbench_moe.json"),
+            "activation": os.path.join(DATA, f"{gpu}_microbench_activation.json"),
+            "layer_elementwise": os.path.join(DATA, f"{gpu}_microbench_layer_elementwise.json")}
 
 
 def load(path: str):
@@ -63,20 +73,20 @@ def training_shapes(m, n, k):
     return (m >= 2048) & (n >= 1024) & (k >= 2048)
 
 
-def model_gemm_s(m, n, k, e: EfficiencyParams) -> np.ndarray:
-    """The cost model's bf16 GEMM on the H200 preset, plus the one kernel it launches."""
-    t = gemm_s(m, n, k, GPU.peak_flops_bf16 * GPU.matmul_frac_bf16, 2.0, GPU.hbm_bandwidth_bytes_per_s,
+def model_gemm_s(m, n, k, e: EfficiencyParams, gpu: GPUSpec) -> np.ndarray:
+    """The cost model's bf16 GEMM on the GPU's preset, plus the one kernel it launches."""
+    t = gemm_s(m, n, k, gpu.peak_flops_bf16 * gpu.matmul_frac_bf16, 2.0, gpu.hbm_bandwidth_bytes_per_s,
                e.gemm_eff_max, e)
     return np.asarray(t) + e.kernel_overhead_s
 
 
-def fit_gemm(m, n, k, t, mask=None) -> dict:
+def fit_gemm(m, n, k, t, gpu: GPUSpec, mask=None) -> dict:
     """(eff_max, dim_half, kernel overhead) minimizing the squared log error of the model's GEMM form
     (roofline max of the saturating compute term and HBM traffic, plus a fixed per-kernel time)."""
     mask = np.ones_like(m, dtype=bool) if mask is None else mask
     m, n, k, t = m[mask], n[mask], k[mask], t[mask]
-    peak = GPU.peak_flops_bf16 * GPU.matmul_frac_bf16
-    bw = GPU.hbm_bandwidth_bytes_per_s * EfficiencyParams().hbm_eff
+    peak = gpu.peak_flops_bf16 * gpu.matmul_frac_bf16
+    bw = gpu.hbm_bandwidth_bytes_per_s * EfficiencyParams().hbm_eff
     t_mem = (2.0 * (m * k + k * n) + 2.0 * m * n) / bw
     best = None
     for half in np.concatenate([np.arange(1.0, 20.0, 1.0), np.arange(20.0, 300.0, 2.0)]):
@@ -98,26 +108,26 @@ def error_figures(pred, meas) -> dict:
             "median_pct": float(100 * np.median(err)), "max_abs_pct": float(100 * np.max(np.abs(err)))}
 
 
-def gemm_section(doc: dict) -> dict:
+def gemm_section(doc: dict, gpu: GPUSpec) -> dict:
     m, n, k, t = gemm_arrays(doc)
     train = training_shapes(m, n, k)
     out = {}
     for name, e in (("shipped defaults", EfficiencyParams()), ("literature prior", LITERATURE_PRIOR)):
-        pred = model_gemm_s(m, n, k, e)
+        pred = model_gemm_s(m, n, k, e, gpu)
         out[name] = {"all": error_figures(pred, t), "training shapes": error_figures(pred[train], t[train])}
-    out["fit to these measurements"] = fit_gemm(m, n, k, t)
+    out["fit to these measurements"] = fit_gemm(m, n, k, t, gpu=gpu)
     tflops = 2 * m * n * k / t / 1e12
     out["training shapes TFLOP/s"] = {"median": float(np.median(tflops[train])), "max": float(tflops.max()),
                                       "of MAMF (median)": float(np.median(tflops[train]) * 1e12
-                                                                / (GPU.peak_flops_bf16 * GPU.matmul_frac_bf16))}
+                                                                / (gpu.peak_flops_bf16 * gpu.matmul_frac_bf16))}
     return out
 
 
-def fit_attention(rows: list) -> dict:
+def fit_attention(rows: list, gpu: GPUSpec) -> dict:
     """eff_max and seq_half of the forward efficiency eff_max x s/(s+seq_half) (fraction of bf16 peak),
     least squares in log throughput over a grid; and the median backward/forward time ratio."""
     s = np.array([r["seq"] for r in rows], dtype=float)
-    f = np.array([r["fwd_tflops"] for r in rows]) * 1e12 / GPU.peak_flops_bf16
+    f = np.array([r["fwd_tflops"] for r in rows]) * 1e12 / gpu.peak_flops_bf16
     best = None
     for half in np.arange(16.0, 4096.0, 2.0):
         sat = s / (s + half)
@@ -130,13 +140,13 @@ def fit_attention(rows: list) -> dict:
             "rms_log_error": float(np.sqrt(best[0]))}
 
 
-def attention_section(doc: dict) -> dict:
+def attention_section(doc: dict, gpu: GPUSpec) -> dict:
     out = {}
     for backend in sorted({r["backend"] for r in doc["attention"]}):
         for d in (64, 128):
             rows = [r for r in doc["attention"] if r["backend"] == backend and r["head_dim"] == d and "fwd_s" in r]
             if rows:
-                out[f"{backend} d={d}"] = fit_attention(rows)
+                out[f"{backend} d={d}"] = fit_attention(rows, gpu)
     for backend in sorted({r["backend"] for r in doc["attention"]}):
         ratio = measured_head_dim_ratio(doc, backend)
         if ratio is not None:
@@ -159,20 +169,21 @@ def measured_head_dim_ratio(doc: dict, backend: str, min_seq: int = 4096) -> flo
     return float(np.median(ratios)) if ratios else None
 
 
-def hbm_section(doc: dict) -> dict:
-    fr = {r["kernel"]: r["tbps"] * 1e12 / GPU.hbm_bandwidth_bytes_per_s for r in doc["hbm"]}
+def hbm_section(doc: dict, gpu: GPUSpec) -> dict:
+    fr = {r["kernel"]: r["tbps"] * 1e12 / gpu.hbm_bandwidth_bytes_per_s for r in doc["hbm"]}
     return {"measured fraction of datasheet": fr, "mean": float(np.mean(list(fr.values()))),
             "model hbm_eff (shipped)": EfficiencyParams().hbm_eff, "model hbm_eff (prior)": LITERATURE_PRIOR.hbm_eff}
 
 
 def runs_section(rows: list) -> list:
-    """Each verify run predicted now (its own problem and plan, the runner's framework) vs measured."""
+    """Each usable verify run predicted now (its own problem and plan, the runner's framework) vs measured
+    (a run that ran out of memory has no step time: `oom_runs`)."""
     from autotune.search import exhaustive
     from autotune.validate import case_from_row
     from autotune.verify import dynamic_memory_gb
     out = []
     e = EfficiencyParams()
-    for row in rows:
+    for row in (r for r in rows if r["usable"]):
         case = case_from_row(row)
         best = exhaustive(case.problem, e, top_k=1, fixed=case.fixed).best
         meas, mem = row["measured"], dynamic_memory_gb(best, e)["total"]
@@ -186,30 +197,30 @@ def runs_section(rows: list) -> list:
     return out
 
 
-def model_expert_gemms_s(r: dict, e: EfficiencyParams) -> float:
-    """The cost model's expert GEMMs of one MoE layer forward on the H200 preset (compute.moe_mlp_s with
+def model_expert_gemms_s(r: dict, e: EfficiencyParams, gpu: GPUSpec) -> float:
+    """The cost model's expert GEMMs of one MoE layer forward on the GPU's preset (compute.moe_mlp_s with
     every expert at m_e tokens), plus each GEMM kernel's overhead."""
     m, h, fe, n = r["m_e"], r["h"], r["fe"], r["n_local"]
-    peak, bw = GPU.peak_flops_bf16 * GPU.matmul_frac_bf16, GPU.hbm_bandwidth_bytes_per_s
+    peak, bw = gpu.peak_flops_bf16 * gpu.matmul_frac_bf16, gpu.hbm_bandwidth_bytes_per_s
     t = gemm_s(m, 2 * fe, h, peak, 2.0, bw, e.gemm_eff_max, e) + gemm_s(m, h, fe, peak, 2.0, bw, e.gemm_eff_max, e)
     return n * (float(t) + 2.0 * e.kernel_overhead_s)
 
 
-def moe_section(doc: dict) -> dict:
+def moe_section(doc: dict, gpu: GPUSpec) -> dict:
     """Model / measured time of the expert GEMMs by tokens per expert (medians over models and local
     expert counts), at eff_max = 1 (isolated kernels, as the GEMM sweep found); bytes per element of
     the memory-bound MoE kernels at the datasheet bandwidth."""
     e = EfficiencyParams()._replace(gemm_eff_max=1.0)
     by_m: dict = {}
     for r in doc["experts"]:
-        p = model_expert_gemms_s(r, e)
+        p = model_expert_gemms_s(r, e, gpu)
         d = by_m.setdefault(r["m_e"], {"batched": [], "per_expert": [], "fp8_over_bf16": []})
         d["batched"].append(p / r["bmm_s"])
         d["per_expert"].append(p / r["loop_s"])
         if "loop_fp8_s" in r:
             d["fp8_over_bf16"].append(r["loop_fp8_s"] / r["loop_s"])
     gemms = {m: {k: float(np.median(v)) for k, v in d.items() if v} for m, d in sorted(by_m.items())}
-    bw = GPU.hbm_bandwidth_bytes_per_s
+    bw = gpu.hbm_bandwidth_bytes_per_s
     mb = doc["memory_bound"]
 
     def per_routed(key):
@@ -236,10 +247,10 @@ def moe_section(doc: dict) -> dict:
                 "model elementwise_bytes_f (prior)": LITERATURE_PRIOR.elementwise_bytes_f}}
 
 
-def activation_section(doc: dict) -> dict:
+def activation_section(doc: dict, gpu: GPUSpec) -> dict:
     """Per activation: median over the shapes of (forward + backward) / 3 and forward alone, bytes per token
     per FFN unit at the datasheet bandwidth, eager and compiled."""
-    bw = GPU.hbm_bandwidth_bytes_per_s
+    bw = gpu.hbm_bandwidth_bytes_per_s
     out = {}
     for name in sorted({r["activation"] for r in doc["activation"]}):
         rows = [r for r in doc["activation"] if r["activation"] == name]
@@ -253,10 +264,10 @@ def activation_section(doc: dict) -> dict:
     return out
 
 
-def layer_elementwise_section(doc: dict) -> dict:
+def layer_elementwise_section(doc: dict, gpu: GPUSpec) -> dict:
     """Per kernel (and the whole chain, `layer`): median over the shapes of (forward + backward) / 3 and of
     the forward, bytes per token per hidden unit at the datasheet bandwidth, eager and compiled."""
-    bw = GPU.hbm_bandwidth_bytes_per_s
+    bw = gpu.hbm_bandwidth_bytes_per_s
     out = {}
     for name in ("norm_rms", "norm_ln", "rope", "residual", "layer"):
         rows = [r for r in doc["layer_elementwise"] if r["kernel"] == name]
@@ -269,20 +280,73 @@ def layer_elementwise_section(doc: dict) -> dict:
     return out
 
 
+#: the memory-bound kernels measured on both GPUs: (file, list key, identity fields, timed fields)
+ACROSS_KERNELS = (
+    ("activation", "activation", ("activation", "tokens", "ffn"),
+     ("eager_fwd_s", "eager_fwd_bwd_s", "compiled_fwd_s", "compiled_fwd_bwd_s")),
+    ("layer_elementwise", "layer_elementwise", ("kernel", "tokens", "hidden"),
+     ("eager_fwd_s", "eager_fwd_bwd_s", "compiled_fwd_s", "compiled_fwd_bwd_s")),
+    ("moe", "memory_bound", ("model", "tokens"),
+     ("permute_s", "unpermute_s", "unpermute_scatter_s", "unpermute_sorted_s", "swiglu_s", "swiglu_fwd_bwd_s",
+      "swiglu_compiled_s", "swiglu_compiled_fwd_bwd_s", "router_s")),
+)
+
+
+def across_section(slow: str = "h100", fast: str = "h200") -> dict:
+    """Each memory-bound kernel (and shape) measured on both GPUs: its time on `fast` over `slow`, by
+    kernel family, beside a plain copy's ratio and the cost model's (memory-bound work at HBM x hbm_eff:
+    the datasheet bandwidths' ratio)."""
+    ratios: dict = {}
+    for key, field, ident, timed in ACROSS_KERNELS:
+        a = {tuple(r.get(k) for k in ident): r for r in load(files(slow)[key])[field]}
+        for r in load(files(fast)[key])[field]:
+            other = a.get(tuple(r.get(k) for k in ident))
+            for t in timed:
+                if other is not None and r.get(t) and other.get(t):
+                    ratios.setdefault(f"{key}: {t}", []).append(r[t] / other[t])
+    hbm = {x["kernel"]: x["s"] for x in load(files(slow)["microbench"])["hbm"]}
+    copy = [x["s"] / hbm[x["kernel"]] for x in load(files(fast)["microbench"])["hbm"] if x["kernel"] in hbm]
+    every = np.concatenate([np.asarray(v) for v in ratios.values()])
+    model = GPU_PRESETS[slow].hbm_bandwidth_bytes_per_s / GPU_PRESETS[fast].hbm_bandwidth_bytes_per_s
+    return {"pair": f"{fast} / {slow}", "by kernel": {k: {"n": len(v), "median": float(np.median(v))}
+                                                      for k, v in ratios.items()},
+            "n": int(every.size), "median": float(np.median(every)),
+            "geometric mean": float(np.exp(np.mean(np.log(every)))),
+            "copy / add / fma": float(np.median(copy)), "model": model}
+
+
+def print_across(a: dict) -> None:
+    print(f"Memory-bound kernels, time {a['pair']} (the same 132 SMs at 1,980 MHz; bundled microbench files)")
+    for k, v in a["by kernel"].items():
+        print(f"  {k:48s} n={v['n']:3d}  median {v['median']:.2f}")
+    print(f"  all {a['n']} (kernel, shape) pairs: median {a['median']:.3f}, geometric mean {a['geometric mean']:.3f}; "
+          f"a plain copy / add / fma {a['copy / add / fma']:.3f}")
+    print(f"  cost model (memory-bound work at HBM x hbm_eff): {a['model']:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--microbench", default=MICROBENCH)
-    ap.add_argument("--runs", default=RUNS)
-    ap.add_argument("--moe", default=MOE_MICROBENCH)
-    ap.add_argument("--activation", default=ACTIVATION)
-    ap.add_argument("--layer-elementwise", default=LAYER_ELEMENTWISE)
+    ap.add_argument("--gpu", default="h200", choices=MEASURED_GPUS)
+    ap.add_argument("--across", action="store_true", help="memory-bound kernels, H200 over H100")
+    for key in ("microbench", "runs", "moe", "activation", "layer-elementwise"):
+        ap.add_argument(f"--{key}", default=None, help="default: the bundled file of --gpu")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    doc = load(args.microbench)
-    report = {"device": doc["device"], "gemm": gemm_section(doc), "attention": attention_section(doc),
-              "hbm": hbm_section(doc), "launch": doc.get("launch"), "runs": runs_section(load(args.runs)),
-              "moe": moe_section(load(args.moe)), "activation": activation_section(load(args.activation)),
-              "layer elementwise": layer_elementwise_section(load(args.layer_elementwise))}
+    if args.across:
+        a = across_section()
+        print(json.dumps(a, indent=1)) if args.json else print_across(a)
+        return
+    gpu, path = GPU_PRESETS[args.gpu], files(args.gpu)
+    path.update({k: v for k, v in (("microbench", args.microbench), ("runs", args.runs), ("moe", args.moe),
+                                   ("activation", args.activation), ("layer_elementwise", args.layer_elementwise))
+                 if v})
+    doc = load(path["microbench"])
+    runs = load(path["runs"])
+    report = {"device": doc["device"], "gemm": gemm_section(doc, gpu), "attention": attention_section(doc, gpu),
+              "hbm": hbm_section(doc, gpu), "launch": doc.get("launch"), "runs": runs_section(runs),
+              "oom runs": [r["id"] for r in runs if not r["usable"]],
+              "moe": moe_section(load(path["moe"]), gpu), "activation": activation_section(load(path["activation"]), gpu),
+              "layer elementwise": layer_elementwise_section(load(path["layer_elementwise"]), gpu)}
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -309,13 +373,13 @@ def main() -> None:
             print(f"  {key:26s} {v:.3f}")
     h = report["hbm"]
     print("\nHBM: " + ", ".join(f"{k} {v:.3f}" for k, v in h["measured fraction of datasheet"].items())
-          + f" of {GPU.hbm_bandwidth_bytes_per_s / 1e12:.1f} TB/s; hbm_eff shipped {h['model hbm_eff (shipped)']:.3f}, "
+          + f" of {gpu.hbm_bandwidth_bytes_per_s / 1e12:.1f} TB/s; hbm_eff shipped {h['model hbm_eff (shipped)']:.3f}, "
           f"prior {h['model hbm_eff (prior)']}")
     if report["launch"]:
         la = report["launch"]
         print(f"launch: {la.get('graph_gpu_s_per_kernel', 0) * 1e6:.2f} us per tiny kernel in a CUDA graph, "
               f"{la.get('eager_host_s_per_op', 0) * 1e6:.2f} us host time per eager PyTorch op")
-    print("\nverify runs (jax runner, one H200, proxies of 8-GPU plans): predicted now vs measured")
+    print(f"\nverify runs (jax runner, one {args.gpu.upper()}, proxies of 8-GPU plans): predicted now vs measured")
     print(f"  {'model':18s} {'plan':42s} {'pred s':>7s} {'meas s':>7s} {'err %':>6s} {'ovh s':>6s} {'rec s':>6s} "
           f"{'pred GB':>7s} {'meas GB':>7s} {'err %':>6s}")
     for r in report["runs"]:
@@ -326,6 +390,8 @@ def main() -> None:
     me = np.array([r["memory_error_pct"] for r in report["runs"]])
     print(f"  step time MAPE {np.mean(np.abs(se)):.1f} % (max {np.max(np.abs(se)):.1f} %); "
           f"memory MAPE {np.mean(np.abs(me)):.1f} % (max {np.max(np.abs(me)):.1f} %)")
+    for rid in report["oom runs"]:
+        print(f"  out of memory (no step time): {rid}")
     mo = report["moe"]
     print("\nMoE expert GEMMs (bf16, one layer forward): cost model at eff_max 1 / measured, median over 5 models x 1-32 local experts")
     for m_e, v in mo["expert GEMMs model / measured by m_e"].items():

@@ -8,7 +8,7 @@ For m tokens x f FFN units (bf16), the activations Megatron-Core runs between fc
   squared_relu  relu(x)^2 (Nemotron-4: --squared-relu)
 each eager and compiled (torch.compile, as Megatron-Core's jit_fuser does), forward and forward + backward;
 L2 flushed before each timed call, medians. Bytes per token per FFN unit at the datasheet bandwidth are
-what `tests/gpu/compare_h200.py` reports.
+what `tests/gpu/compare_gpu.py` reports.
 """
 from __future__ import annotations
 

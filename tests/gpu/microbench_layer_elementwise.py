@@ -12,7 +12,7 @@ forward + backward:
   residual      a residual add
   layer         the whole chain of one layer: norm, rope on q and k, residual add, norm, residual add
 each eager and compiled (torch.compile: Megatron-Core's jit_fuser / Transformer Engine fuse such chains);
-L2 flushed before each timed call, medians. `tests/gpu/compare_h200.py` reports bytes per token per hidden
+L2 flushed before each timed call, medians. `tests/gpu/compare_gpu.py` reports bytes per token per hidden
 unit per forward-equivalent ((forward + backward) / 3) at the datasheet bandwidth.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ Memory-bound parts at T tokens: gather into expert order (index_select), back to
 the routing weights (index_add_; Megatron-Core's unfused scatter_add_; a sorted gather + weighted sum as
 a fused kernel would), the router (logits GEMM, fp32 softmax, top-k) and SwiGLU on [m x 2 f_e], eager
 and compiled (torch.compile, as Megatron-Core's jit_fuser), forward and forward + backward.
-L2 flushed before each timed call; medians. `tests/gpu/compare_h200.py` compares them with the cost model.
+L2 flushed before each timed call; medians. `tests/gpu/compare_gpu.py` compares them with the cost model.
 """
 from __future__ import annotations
 

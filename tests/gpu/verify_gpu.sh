@@ -2,7 +2,8 @@
 # Measure 13 plans of a 1.1B Llama (TinyLlama dims) and 4 of an 8-layer Llama 3 8B stage on ONE GPU with
 # the jax runner, as proxies of 8-GPU plans (one pipeline stage's layers, one DP rank's micro-batches),
 # print predicted vs measured step time and memory, then calibrate the cost model on half of the runs and
-# score the other half. The 17 records of 2026-12-04 (H200) are tests/data/gpu/h200_verify_runs.json.
+# score the other half. The 17 records of 2026-12-04 (H200) are tests/data/gpu/h200_verify_runs.json, those of
+# 2026-12-06 (GPU=h100) h100_verify_runs.json.
 #   tests/gpu/verify_gpu.sh [OUT_DIR]        (GPU=h200 by default; PYTHON=python)
 # Without a GPU visible to JAX it says so and exits 0. Needs jax with CUDA (pip install 'jax[cuda12]').
 set -euo pipefail
