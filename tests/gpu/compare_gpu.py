@@ -407,18 +407,22 @@ def main() -> None:
           f"(fwd + bwd) / 3 {sw['eager (fwd + bwd) / 3']:.1f}; compiled forward {sw['compiled forward']:.1f}, "
           f"(fwd + bwd) / 3 {sw['compiled (fwd + bwd) / 3']:.1f}; model elementwise_bytes_f "
           f"{sw['model elementwise_bytes_f (shipped)']:.1f} (prior {sw['model elementwise_bytes_f (prior)']:.1f})")
-    act = report["activation"]
-    print("\nMLP activations (bf16, 4 shapes): B per token per FFN unit, (fwd + bwd) / 3 [fwd], eager | compiled")
-    for name, v in act.items():
-        if isinstance(v, dict):
-            print(f"  {name:13s} " + " | ".join(f"{k} {x['(fwd + bwd) / 3']:5.1f} [{x['fwd']:4.1f}]" for k, x in v.items()))
-    print(f"  model elementwise_bytes_f {act['model elementwise_bytes_f (shipped)']:.1f} for every activation")
+    print_bytes_table("MLP activations (bf16, 4 shapes): B per token per FFN unit", report["activation"], 13)
+    print(f"  model elementwise_bytes_f {report['activation']['model elementwise_bytes_f (shipped)']:.1f} for every "
+          "activation")
     le = report["layer elementwise"]
-    print("\nA layer's norms, rope and residual adds (bf16, 4 shapes): B per token per hidden unit, (fwd + bwd) / 3 [fwd]")
-    for name, v in le.items():
+    print_bytes_table("A layer's norms, rope and residual adds (bf16, 4 shapes): B per token per hidden unit", le, 9)
+    print(f"  model elementwise_bytes_h {le['model elementwise_bytes_h (shipped)']:.1f} (prior "
+          f"{le['model elementwise_bytes_h (prior)']:.0f})")
+
+
+def print_bytes_table(title: str, section: dict, width: int) -> None:
+    """One line per kernel of an activation / element-wise section: (fwd + bwd) / 3 [fwd], eager | compiled."""
+    print(f"\n{title}, (fwd + bwd) / 3 [fwd], eager | compiled")
+    for name, v in section.items():
         if isinstance(v, dict):
-            print(f"  {name:9s} " + " | ".join(f"{k} {x['(fwd + bwd) / 3']:6.1f} [{x['fwd']:5.1f}]" for k, x in v.items()))
-    print(f"  model elementwise_bytes_h {le['model elementwise_bytes_h (shipped)']:.1f} (prior {le['model elementwise_bytes_h (prior)']:.0f})")
+            print(f"  {name:{width}s} " + " | ".join(f"{k} {x['(fwd + bwd) / 3']:6.1f} [{x['fwd']:5.1f}]"
+                                                  for k, x in v.items()))
 
 if __name__ == "__main__":
     main()
