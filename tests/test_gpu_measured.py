@@ -152,17 +152,18 @@ def test_step_time_of_every_run_without_full_recompute(runs):
     assert np.mean(np.abs(err)) < 6.0 and np.max(np.abs(err)) < 12.0, err
 
 
-def test_expert_gemms_match_a_batched_gemm_at_training_sizes(moe):
-    # an MoE layer's expert GEMMs (5 models' shapes, 1-32 local experts): the model's per-expert GEMMs at
-    # eff_max = 1 of MAMF time one batched GEMM over the experts within 10 % from 2048 tokens per expert
-    # (the dispatch of the validation runs gives ~2000-5000); below that the model is slower than one
-    # grouped kernel (per-expert saturation and kernel overheads), never faster
+def test_expert_gemms_match_a_batched_gemm_at_every_size(moe):
+    # an MoE layer's expert GEMMs (5 models' shapes, 1-32 local experts, 128-8192 tokens per expert): the
+    # model's grouped GEMMs (fc1 and fc2 each one kernel over the local experts, rows saturating on all
+    # experts' tokens) at eff_max = 1 of MAMF time one batched GEMM over the experts within 15 % at every size
+    # on both GPUs (0.87-0.99). The per-expert law it replaced was 1.17-1.28x slower below 2048 tokens per
+    # expert (fine-grained experts: Qwen3-30B-A3B and GPT-OSS dispatch ~500-1000 per micro-batch)
     by_m = moe["expert GEMMs model / measured by m_e"]
+    assert len(by_m) >= 4
     for m_e, v in by_m.items():
-        if int(m_e) >= 2048:
-            assert 0.9 < v["batched"] < 1.1, (m_e, v)
-        else:
-            assert v["batched"] > 1.0, (m_e, v)
+        assert 0.85 < v["batched"] < 1.05, (m_e, v)
+        if int(m_e) <= 512:                  # where the two laws differ, the grouped one is the closer
+            assert v["per_expert_law"] > 1.15 and abs(v["batched"] - 1.0) < abs(v["per_expert_law"] - 1.0), (m_e, v)
 
 
 def test_token_permutation_moves_the_bytes_the_model_counts(moe):

@@ -197,11 +197,16 @@ def runs_section(rows: list) -> list:
     return out
 
 
-def model_expert_gemms_s(r: dict, e: EfficiencyParams, gpu: GPUSpec) -> float:
+def model_expert_gemms_s(r: dict, e: EfficiencyParams, gpu: GPUSpec, grouped: bool = True) -> float:
     """The cost model's expert GEMMs of one MoE layer forward on the GPU's preset (compute.moe_mlp_s with
-    every expert at m_e tokens), plus each GEMM kernel's overhead."""
+    every expert at m_e tokens): fc1 and fc2 each one grouped GEMM over the local experts, plus a kernel's
+    overhead each; `grouped=False`: the law before 2026-12-06, each expert's GEMMs timed on their own."""
     m, h, fe, n = r["m_e"], r["h"], r["fe"], r["n_local"]
     peak, bw = gpu.peak_flops_bf16 * gpu.matmul_frac_bf16, gpu.hbm_bandwidth_bytes_per_s
+    if grouped:
+        t = (gemm_s(m, 2 * fe, h, peak, 2.0, bw, e.gemm_eff_max, e, n)
+             + gemm_s(m, h, fe, peak, 2.0, bw, e.gemm_eff_max, e, n))
+        return float(t) + 2.0 * e.kernel_overhead_s
     t = gemm_s(m, 2 * fe, h, peak, 2.0, bw, e.gemm_eff_max, e) + gemm_s(m, h, fe, peak, 2.0, bw, e.gemm_eff_max, e)
     return n * (float(t) + 2.0 * e.kernel_overhead_s)
 
@@ -214,8 +219,9 @@ def moe_section(doc: dict, gpu: GPUSpec) -> dict:
     by_m: dict = {}
     for r in doc["experts"]:
         p = model_expert_gemms_s(r, e, gpu)
-        d = by_m.setdefault(r["m_e"], {"batched": [], "per_expert": [], "fp8_over_bf16": []})
+        d = by_m.setdefault(r["m_e"], {"batched": [], "per_expert_law": [], "per_expert": [], "fp8_over_bf16": []})
         d["batched"].append(p / r["bmm_s"])
+        d["per_expert_law"].append(model_expert_gemms_s(r, e, gpu, grouped=False) / r["bmm_s"])
         d["per_expert"].append(p / r["loop_s"])
         if "loop_fp8_s" in r:
             d["fp8_over_bf16"].append(r["loop_fp8_s"] / r["loop_s"])
@@ -393,10 +399,12 @@ def main() -> None:
     for rid in report["oom runs"]:
         print(f"  out of memory (no step time): {rid}")
     mo = report["moe"]
-    print("\nMoE expert GEMMs (bf16, one layer forward): cost model at eff_max 1 / measured, median over 5 models x 1-32 local experts")
+    print("\nMoE expert GEMMs (bf16, one layer forward): cost model (grouped GEMMs) at eff_max 1 / measured, median over 5 "
+          "models x 1-32 local experts")
     for m_e, v in mo["expert GEMMs model / measured by m_e"].items():
-        print(f"  m_e {m_e:5d} tokens per expert: vs one batched GEMM {v['batched']:.2f}, vs a GEMM per expert "
-              f"{v['per_expert']:.2f}; fp8 / bf16 time (per expert) {v.get('fp8_over_bf16', float('nan')):.2f}")
+        print(f"  m_e {m_e:5d} tokens per expert: vs one batched GEMM {v['batched']:.2f} (the per-expert law "
+              f"{v['per_expert_law']:.2f}), vs a GEMM per expert {v['per_expert']:.2f}; fp8 / bf16 time (per expert) "
+              f"{v.get('fp8_over_bf16', float('nan')):.2f}")
     pb, ub, sw = (mo["permute bytes per routed token per h"], mo["unpermute bytes per routed token per h"],
                   mo["SwiGLU bytes per token per f"])
     print(f"  permute (gather into expert order): {pb['median']:.1f} B per routed token per h ({pb['min']:.1f}-{pb['max']:.1f}); "
