@@ -145,8 +145,9 @@ def megatron_model_args(problem: Problem) -> list:
     if m.num_kv_heads != m.num_attention_heads:
         a += ["--group-query-attention", "--num-query-groups", m.num_kv_heads]
     a += ["--seq-length", job.seq_len, "--max-position-embeddings", max(job.seq_len, m.max_seq_len)]
-    if m.gated_mlp:        # Llama-style: SwiGLU, RMSNorm, RoPE, no biases
-        a += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
+    if m.gated_mlp:        # Llama-style: SwiGLU, RMSNorm, RoPE, no biases (GPT-OSS keeps Megatron's default biases)
+        a += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+        a += [] if m.expert_bias else ["--disable-bias-linear"]
         if m.position_embedding == "yarn":     # YaRN-scaled RoPE runs unfused (the cost model's rope_unfused)
             a += ["--rope-type", "yarn", "--no-rope-fusion"]
     a += _window_args(m) + _vocab_args(m)

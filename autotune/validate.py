@@ -105,7 +105,8 @@ def model_from_row(m: dict) -> ModelSpec:
         for f in ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts",
                   "shared_expert_ffn_hidden_size", "first_k_dense_layers", "moe_layer_freq",
                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                  "sliding_window", "sliding_window_layers", "position_embedding", "mtp_num_layers"):
+                  "sliding_window", "sliding_window_layers", "position_embedding", "mtp_num_layers",
+                  "expert_bias"):
             base[f] = getattr(preset, f)
         if preset.is_mla:
             base["num_kv_heads"] = base["num_attention_heads"]

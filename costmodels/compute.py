@@ -42,6 +42,17 @@ MOE_EXTRA_KERNELS = MOE_ROUTER_KERNELS + MOE_PREPROCESS_KERNELS + MOE_DISPATCH_K
 #: kernels per local expert per forward: Transformer Engine's GroupedLinear runs fc1 and fc2 as one
 #: GEMM per expert, plus the activation; in fp8 / fp4 each expert's input is also cast (2 more)
 KERNELS_PER_LOCAL_EXPERT = 3.0
+#: experts with biases (GPT-OSS): Megatron-Core's TEGroupedMLP applies fc1's bias inside Transformer Engine's
+#: GroupedLinear but returns fc2's (skip_bias_add=True) and adds it in Python, expert by expert, weighted by the
+#: routing probability: torch.cat([t + b * p for each local expert's rows]) (TEGroupedMLP._apply_bias,
+#: megatron/core/transformer/moe/experts.py, core_v0.15.0-core_v0.17.0). Per local expert a multiply and an add
+#: forward and, backward, two multiply + sum reductions (the bias's and the probability's gradients): 6 kernels,
+#: 2 per forward-equivalent (the model's backward is 2x its forward)
+EXPERT_BIAS_KERNELS_PER_LOCAL_EXPERT = (2.0 + 4.0) / 3.0
+#: HBM bytes per routed token per hidden unit of that loop, counted op by op in bf16: forward b * p writes 2, the
+#: add reads 2 + 2 and writes 2, the cat reads 2 and writes 2 (12); backward grad * p and grad * b read 2 and write
+#: 2 each and their sums read 2 each, the split's backward cat reads 2 and writes 2 (16); per forward-equivalent
+EXPERT_BIAS_BYTES_PER_H = (12.0 + 16.0) / 3.0
 KERNELS_PER_LOCAL_EXPERT_LOW_PRECISION = 2.0
 #: --fp8-recipe tensorwise (Float8CurrentScaling) scales each tensor by its own amax: Transformer Engine's
 #: quantizer runs nvte_compute_amax (a read of the bf16 input, 2 B per element), nvte_compute_scale_from_amax,
@@ -379,6 +390,7 @@ def elementwise_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     moe = (routed * fe * e.elementwise_bytes_f + T / tp * sf * e.elementwise_bytes_f
            + jnp.where(J["permute_fusion"] > 0, PERMUTE_BYTES_PER_H, UNFUSED_PERMUTE_BYTES_PER_H) * routed * h
            + ROUTER_BYTES_PER_EXPERT * T / tp * M["experts"]
+           + M["expert_bias"] * EXPERT_BIAS_BYTES_PER_H * routed * h
            + lp * (2.0 * routed * h + routed * fe)) / bw
     return attn, dense, moe
 
@@ -387,7 +399,8 @@ def moe_kernels(S: Shapes, M: dict, J: dict):
     """Kernels an MoE layer launches beyond a dense one: the dispatcher's, and each local expert's
     GEMMs, activation and (in low precision) input casts."""
     local = jnp.maximum(M["experts"], 1.0) / S.ep
-    per_expert = KERNELS_PER_LOCAL_EXPERT + J["low_precision"] * KERNELS_PER_LOCAL_EXPERT_LOW_PRECISION
+    per_expert = (KERNELS_PER_LOCAL_EXPERT + J["low_precision"] * KERNELS_PER_LOCAL_EXPERT_LOW_PRECISION
+                  + M["expert_bias"] * EXPERT_BIAS_KERNELS_PER_LOCAL_EXPERT)
     return MOE_EXTRA_KERNELS + local * per_expert
 
 

@@ -51,6 +51,7 @@ def encode_model(m: ModelSpec) -> dict:
         # validate_rope_fusion_compatibility; Megatron-LM's GPT-OSS example passes --no-rope-fusion)
         rope_elems=(a * m.qk_rope_head_dim + m.qk_rope_head_dim) if m.is_mla else (a + g) * d,
         rope_unfused=float(rope_runs_unfused(m)),
+        expert_bias=float(m.expert_bias and m.is_moe),  # fc2's bias added expert by expert (compute.EXPERT_BIAS_*)
         ffn=m.ffn_hidden_size, vocab=m.vocab_size, gated=float(m.gated_mlp),
         tied=float(m.tied_embeddings),
         q_down_n=q_down_n, q_up_n=q_up_n, q_up_k=q_up_k, kv_down_n=kv_down_n, kv_up_n=kv_up_n,

@@ -333,6 +333,10 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
     if fields_.get("num_experts", 0) == 0:               # dense: drop MoE fields a config may carry
         fields_ = {k: v for k, v in fields_.items() if k not in _MOE_FIELDS}
     fields_["hidden_dropout"] = _dropout(cfg, model_type, where)
+    # GPT-OSS's experts have biases (transformers' GptOssExperts: gate_up_proj_bias, down_proj_bias; Megatron-Bridge's
+    # GPT-OSS provider: add_bias_linear=True); no other family's config carries routed-expert biases
+    if model_type == "gpt_oss" and fields_.get("num_experts", 0) > 0:
+        fields_["expert_bias"] = True
     return ModelSpec(name=name, source=source, **fields_)
 
 

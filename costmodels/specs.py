@@ -156,6 +156,9 @@ class ModelSpec:
     # Megatron's --position-embedding-type: rope, yarn (YaRN-scaled RoPE as its own embedding: GPT-OSS;
     # MLA models apply YaRN inside plain "rope") or learned_absolute (GPT-2/3)
     position_embedding: str = "rope"
+    # the routed experts' linear layers carry biases (Megatron's --add-bias-linear on an MoE model: GPT-OSS);
+    # Megatron-Core's TEGroupedMLP adds fc2's bias expert by expert in Python (compute.EXPERT_BIAS_*)
+    expert_bias: bool = False
     # multi-token prediction (DeepSeek-V3 sec. 2.2; Megatron --mtp-num-layers, HF num_nextn_predict_layers): D
     # sequential modules after the last layer, each a transformer layer of the last layer's kind (MoE when it is
     # MoE), two RMSNorms and a 2h -> h projection, with a second pass through the shared output layer and loss

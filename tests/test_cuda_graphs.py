@@ -39,7 +39,7 @@ class _Shapes:                         # the Shapes fields layer_kernels / host_
 def _host_launches(fw: FrameworkSpec, tp=1, sp=0, ep=8, experts=64.0):
     J = {"flash": 1.0, "low_precision": 0.0, "compiled_step": 0.0, **cuda_graph_capture(fw)}
     S = _Shapes(tp, sp, ep)
-    M = {"experts": experts, "rope_unfused": 0.0}
+    M = {"experts": experts, "rope_unfused": 0.0, "expert_bias": 0.0}
     dense, moe = compute.host_kernels(S, M, J, *compute.layer_kernels(S, M, J))
     return float(dense), float(moe)
 

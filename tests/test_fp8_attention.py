@@ -72,7 +72,7 @@ def test_fp8_attention_casts_q_k_v_forward_and_o_do_backward():
     backward, with the layer's backward costed as twice its forward (a third of the casts sit in the forward)."""
     T, tp, h, heads, kv_heads, d = 8192.0, 2.0, 4096.0, 32.0, 8.0, 128.0
     M = {"hidden": h, "ffn": 14336.0, "expert_ffn": 0.0, "shared_ffn": 0.0, "experts": 0.0,
-         "q_up_n": (heads + 2 * kv_heads) * d, "kv_up_n": 0.0, "attn_out_k": heads * d}
+         "q_up_n": (heads + 2 * kv_heads) * d, "kv_up_n": 0.0, "attn_out_k": heads * d, "expert_bias": 0.0}
     H, e = {"hbm_bw": 3.35e12}, EfficiencyParams()
     J = {"low_precision": 1.0, "permute_fusion": 1.0, "fp8_amax_pass": 0.0, "fp8_attention": 0.0}
     off = compute.elementwise_s(_shapes(T, tp), M, H, J, e)[0]

@@ -51,7 +51,7 @@ def test_the_amax_pass_reads_each_cast_input_once_more():
     S = SimpleNamespace(tokens=np.float32(T), tokens_elem=np.float32(T), tp=np.float32(tp),
                         routed_tokens=np.float32(routed))
     M = {"hidden": h, "ffn": f, "expert_ffn": fe, "shared_ffn": 0.0, "attn_out_k": 4096.0, "experts": E,
-         "q_up_n": 6144.0, "kv_up_n": 0.0}
+         "q_up_n": 6144.0, "kv_up_n": 0.0, "expert_bias": 0.0}
     H, e = {"hbm_bw": 3.35e12}, EfficiencyParams()
     bw = 3.35e12 * e.hbm_eff
     base = {"low_precision": 1.0, "permute_fusion": 1.0, "fp8_amax_pass": 0.0, "fp8_attention": 0.0}

@@ -49,10 +49,10 @@ def test_kernel_counts_follow_the_framework():
     class _S:                                  # the Shapes fields layer_kernels reads
         tp, sp, ep = S["tp"], S["sp"], S["ep"]
         softmax_fallback = 0.0                 # Megatron's fused softmax kernel applies
-    dense, moe = compute.layer_kernels(_S, {"experts": 16.0, "rope_unfused": 0.0}, {"flash": 0.0, "low_precision": 1.0, "compiled_step": 0.0})
+    dense, moe = compute.layer_kernels(_S, {"experts": 16.0, "rope_unfused": 0.0, "expert_bias": 0.0}, {"flash": 0.0, "low_precision": 1.0, "compiled_step": 0.0})
     np.testing.assert_allclose(dense, [14 + 4, 14 + 4 + 2, 14 + 4 + 4])
     np.testing.assert_allclose(moe - dense, [10 + 16 * 5, 10 + 16 * 5, 10 + 4 * 5 + 2])
-    dense_fa, _ = compute.layer_kernels(_S, {"experts": 16.0, "rope_unfused": 0.0}, {"flash": 1.0, "low_precision": 0.0, "compiled_step": 0.0})
+    dense_fa, _ = compute.layer_kernels(_S, {"experts": 16.0, "rope_unfused": 0.0, "expert_bias": 0.0}, {"flash": 1.0, "low_precision": 0.0, "compiled_step": 0.0})
     np.testing.assert_allclose(dense - dense_fa, 4.0)
 
 
