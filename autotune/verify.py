@@ -28,6 +28,7 @@ from costmodels.plan import Plan
 from costmodels.specs import AttentionBackend, ModelSpec, Precision, Recompute, SpecError
 from search_spaces.space import Problem
 
+from .runner import JAX_MEMORY_VARS
 from .search import predict
 
 #: runners this build has: the built-in JAX transformer, and Megatron-LM through the exporter
@@ -138,7 +139,9 @@ def machine_info(devices) -> dict:
             "host": _platform.node(), "cpu": _platform.processor() or _platform.machine(),
             "cpu_count": os.cpu_count(), "os": _platform.platform(), "python": _platform.python_version(),
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "numpy": numpy.__version__,
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            # how this process's JAX took GPU memory (runner.claim_device_memory or the user's): an OOM depends on it
+            "jax_memory_env": {v: os.environ[v] for v in JAX_MEMORY_VARS if v in os.environ}}
 
 
 def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, warmup: int = 1,

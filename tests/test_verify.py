@@ -180,3 +180,16 @@ def test_a_users_jax_memory_setting_is_kept(chosen, runner):
     env = {chosen: "0.5"}
     assert claim_device_memory(runner, env) == {}
     assert env == {chosen: "0.5"}
+
+
+def test_the_record_says_how_jax_took_gpu_memory(monkeypatch):
+    # an out-of-memory run depends on it: the H100's first pass ran out at JAX's default 75 %
+    import jax
+
+    from autotune.verify import machine_info
+    for v in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert machine_info(jax.devices())["jax_memory_env"] == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert machine_info(jax.devices())["jax_memory_env"] == {}
