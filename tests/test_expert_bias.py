@@ -1,13 +1,17 @@
-"""Routed experts with biases (GPT-OSS): Megatron-Core's TEGroupedMLP adds fc2's bias in a Python loop over the
-local experts (TEGroupedMLP._apply_bias, megatron/core/transformer/moe/experts.py, core_v0.15.0-core_v0.17.0):
-`torch.cat([t + b * p for each expert's rows])`. The cost model charges its kernels (a multiply and an add per
-expert forward; two multiply + sum reductions backward) and its bytes, counted op by op."""
+"""An MoE layer's expert GEMMs and biases. The local experts' fc1 and fc2 run as grouped GEMMs (Transformer Engine's
+GroupedLinear; the law is measured in tests/test_gpu_measured.py). Routed experts with biases (GPT-OSS): Megatron-Core's
+TEGroupedMLP adds fc2's bias in a Python loop over the local experts (TEGroupedMLP._apply_bias,
+megatron/core/transformer/moe/experts.py, core_v0.15.0-core_v0.17.0): `torch.cat([t + b * p for each expert's rows])`.
+The cost model charges its kernels (a multiply and an add per expert forward; two multiply + sum reductions backward)
+and its bytes, counted op by op."""
 from __future__ import annotations
 
 import dataclasses
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autotune import api
 from autotune.export import megatron_args
@@ -80,3 +84,16 @@ def test_saved_reports_carry_it():
     problem = api.build_problem(**JOB)
     again = problem_from_report(json.loads(json.dumps({"problem": problem_dict(problem)})))
     assert again.model.expert_bias
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups=st.integers(1, 64), m=st.integers(1, 16384), n=st.integers(16, 16384), k=st.integers(16, 16384))
+def test_a_grouped_gemm_sits_between_its_parts_and_one_stacked_gemm(groups, m, n, k):
+    # the grouped law (compute.gemm_s groups; moe_mlp_s's expert GEMMs): its rows saturate together, so it is
+    # never slower than the groups' GEMMs run one by one, and it reads every group's weights, so never faster
+    # than one GEMM of all the rows against a single weight matrix
+    e, peak, bw = EfficiencyParams(), 989e12 * 0.8, 3.35e12
+    grouped = float(compute.gemm_s(m, n, k, peak, 2.0, bw, e.gemm_eff_max, e, groups))
+    apart = groups * float(compute.gemm_s(m, n, k, peak, 2.0, bw, e.gemm_eff_max, e))
+    stacked = float(compute.gemm_s(groups * m, n, k, peak, 2.0, bw, e.gemm_eff_max, e))
+    assert stacked * (1 - 1e-5) <= grouped <= apart * (1 + 1e-5)
