@@ -28,7 +28,7 @@ from costmodels.plan import Plan
 from costmodels.specs import AttentionBackend, ModelSpec, Precision, Recompute, SpecError
 from search_spaces.space import Problem
 
-from .runner import JAX_MEMORY_VARS
+from .runner import JAX_MEMORY_VARS, claim_device_memory
 from .search import predict
 
 #: runners this build has: the built-in JAX transformer, and Megatron-LM through the exporter
@@ -153,6 +153,8 @@ def verify_plan(problem: Problem, plan: Plan, *, gpu_key: str, steps: int = 5, w
     from .runner.model import Dims
     from .runner.sharded import RunShape, unsupported_reason
 
+    # a Python caller gets the CLI's GPU memory setting too, where this process's JAX has not started its GPU yet
+    claim_device_memory(runner)
     if runner == "megatron":
         from .verify_megatron import verify_megatron
         if proxy or layers is not None:
