@@ -39,11 +39,11 @@ from search_spaces.optuna_space import IllegalParams
 from .ask_tell import STALE_AFTER_S, Heartbeat, fail_stale, worker_id
 from .files import dumps_json, write_text_atomic
 from .samplers import make_sampler
+from .runner import claim_device_memory
 from .search import predict
 from .storage import is_storage_error, load_study, open_storage, redact_url, storage_error
 from .studies import STUDY_ATTR, VERIFY_ATTR
 from .study_spec import StudySpec, default_study_name
-from .runner import claim_device_memory
 from .verify import RUNNERS, plan_slug, verify_plan
 
 OBJECTIVE = "step_time"

@@ -359,6 +359,13 @@ def dense_mlp_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     return gemm(T, f * (1.0 + M["gated"]) / tp, h) + gemm(T, h, f / tp)
 
 
+def expert_gemms_s(S: Shapes, M: dict, gemm):
+    """The local experts' fc1 and fc2, each one grouped GEMM over them (moe_mlp_s); m_e tokens per expert."""
+    n_local = jnp.maximum(M["experts"], 1.0) / S.ep
+    fe, m_e, h = M["expert_ffn"], S.expert_tokens, M["hidden"]
+    return gemm(m_e, fe * (1.0 + M["gated"]) / S.etp, h, n_local), gemm(m_e, h, fe / S.etp, n_local)
+
+
 def moe_mlp_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     """[GS] The EP rank holds E/ep experts, each sees m_e tokens (the busiest rank's share); ETP
     shards the expert FFN. fc1 and fc2 are each one grouped GEMM over the local experts (Transformer Engine's
@@ -367,9 +374,9 @@ def moe_mlp_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     where timing each expert's GEMMs alone was 1.17-1.28x slow below 2048 (tests/test_gpu_measured.py).
     Shared experts run on all T tokens, TP-sharded; the router is a [T/tp x h] @ [h x E] GEMM."""
     gemm, T, tp, h, g = _gemm(S, H, J, e), S.tokens, S.tp, M["hidden"], M["gated"]
-    n_local = jnp.maximum(M["experts"], 1.0) / S.ep
-    fe, sf, m_e = M["expert_ffn"], M["shared_ffn"], S.expert_tokens
-    experts = gemm(m_e, fe * (1.0 + g) / S.etp, h, n_local) + gemm(m_e, h, fe / S.etp, n_local)
+    sf = M["shared_ffn"]
+    fc1, fc2 = expert_gemms_s(S, M, gemm)
+    experts = fc1 + fc2
     shared = gemm(T, sf * (1.0 + g) / tp, h) + gemm(T, h, sf / tp)
     router = gemm(T / tp, M["experts"], h)
     return (experts + shared + router) * S.is_moe, shared * S.is_moe
@@ -471,8 +478,7 @@ def mlp_down_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     (jax.checkpoint) never recomputes it, as the backward pass reads its input, not its output (counted in
     the jaxpr of the jax runner's gradient: tests/test_gpu_measured.py)."""
     gemm, T, tp, h = _gemm(S, H, J, e), S.tokens, S.tp, M["hidden"]
-    n_local = jnp.maximum(M["experts"], 1.0) / S.ep
-    moe = (n_local * gemm(S.expert_tokens, h, M["expert_ffn"] / S.etp) + gemm(T, h, M["shared_ffn"] / tp)) * S.is_moe
+    moe = (expert_gemms_s(S, M, gemm)[1] + gemm(T, h, M["shared_ffn"] / tp)) * S.is_moe
     return gemm(T, h, M["ffn"] / tp), moe
 
 
