@@ -984,7 +984,9 @@ def megatron_deepspeed_args(plan: Plan, problem: Problem, config_name: str = MDS
         raise ExportRefused(t, "gradient_accumulation_fusion=true", "Megatron-DeepSpeed's linear layers never "
                             "fuse the gradient accumulation into the weight-gradient GEMM (its fused path is commented "
                             "out); score the plan with --no-gradient-accumulation-fusion, the deepspeed default")
-    backend = {"flash": ["--use-flash-attn-v2"], "unfused": []}.get(fw.attention_backend.value)
+    # auto: Megatron-DeepSpeed's one fused kernel (AttentionBackend.kernel)
+    backend = {"auto": ["--use-flash-attn-v2"], "flash": ["--use-flash-attn-v2"],
+               "unfused": []}.get(fw.attention_backend.value)
     if backend is None:
         raise ExportRefused(t, f"attention_backend={fw.attention_backend.value}", "Megatron-DeepSpeed runs "
                             "FlashAttention (--use-flash-attn-v2) or its own unfused attention, not cuDNN's fused "

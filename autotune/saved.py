@@ -23,7 +23,8 @@ def _known(cls, d: dict) -> dict:
 def _framework(job: dict) -> FrameworkSpec:
     fw = dict(job.get("framework") or {})
     if "flash_attention" in job and "attention_backend" not in fw:
-        fw["attention_backend"] = "flash" if job["flash_attention"] else "unfused"
+        # that key meant "a fused kernel", whichever Transformer Engine picks: Megatron-Core's auto
+        fw["attention_backend"] = "auto" if job["flash_attention"] else "unfused"
     if "tp_comm_overlap" in job and "tp_comm_overlap" not in fw:
         fw["tp_comm_overlap"] = bool(job["tp_comm_overlap"])
     v = _known(FrameworkSpec, fw)

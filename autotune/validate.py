@@ -509,7 +509,7 @@ def case_from_row(row: dict) -> RowCase:
     framework = FrameworkSpec(
         framework=fw_kind,
         attention_backend=recipe_options.pop("attention_backend",
-                                             AttentionBackend.FLASH if modern else AttentionBackend.UNFUSED),
+                                             AttentionBackend.AUTO if modern else AttentionBackend.UNFUSED),
         tp_comm_overlap=recipe_options.pop("tp_comm_overlap", modern),
         # NeMo / Megatron-Bridge benchmark recipes reduce gradients in bf16 (perf_recipes/_common.py
         # sets grad_reduce_in_fp32=False); otherwise the framework's own default

@@ -1,5 +1,6 @@
 """The notes `search`, `predict`, `explain` and `whatif` print under the problem: what the cost model counts for it
-(sliding windows, unfused RoPE, the cross entropy, DeepSpeed's MoE, LoRA, packing, fp8 recipes and attention)."""
+(sliding windows, unfused RoPE, the cross entropy, DeepSpeed's MoE, LoRA, packing, fp8 recipes and attention, the
+attention kernel)."""
 from __future__ import annotations
 
 from costmodels.specs import Fp8Recipe, Framework
@@ -95,8 +96,23 @@ def fp8_attention_note(problem) -> str:
             "casts of Q, K, V, O and dO; no exported command can set it (see export).")
 
 
+def attention_kernel_note(problem) -> str:
+    """A note when the job runs FlashAttention-2 where Transformer Engine's default would run cuDNN (Hopper, Blackwell)."""
+    from costmodels.compute import attention_kernel_rate
+    gpu = problem.cluster.gpu
+    rate = attention_kernel_rate(problem.job.attention_kernel(gpu), gpu.family)
+    if rate >= 1.0:
+        return ""
+    fw = problem.job.framework
+    how = ("Megatron-DeepSpeed's fused attention is FlashAttention-2" if fw.framework is Framework.DEEPSPEED
+           else "--attention-backend flash runs FlashAttention-2")
+    return (f"Note: {how}, which reaches {rate:.2f}x the rate of cuDNN's fused attention on {gpu.name} (measured "
+            f"on H100 / H200); costed. " + ("" if fw.framework is Framework.DEEPSPEED else
+                                             "auto (Megatron-Core's default) lets Transformer Engine pick cuDNN."))
+
+
 def problem_notes(problem) -> list:
     """The notes `search` and `predict` print under the problem: what the cost model counts for it."""
     return [n for n in (sliding_window_note(problem), rope_note(problem), cross_entropy_note(problem),
                         deepspeed_moe_note(problem), lora_note(problem), packing_note(problem),
-                        fp8_recipe_note(problem), fp8_attention_note(problem)) if n]
+                        fp8_recipe_note(problem), fp8_attention_note(problem), attention_kernel_note(problem)) if n]

@@ -32,7 +32,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout and 
 
 # Megatron-Core options of the job (FrameworkSpec), with Megatron's flag names; None = its default
 FrameworkOpt = Annotated[Optional[str], typer.Option("--framework", help="megatron (default), deepspeed (ZeRO-2 exists only there) or jax (an XLA-compiled step: MaxText, the jax runner).")]
-AttentionBackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="flash (default), fused or unfused (s x s scores in memory).")]
+AttentionBackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="auto (default, Megatron-Core's: Transformer Engine runs cuDNN's fused attention on Hopper / Blackwell, FlashAttention-2 on Ampere), flash (FlashAttention-2: ~0.61x cuDNN's rate on Hopper+), fused (cuDNN) or unfused (s x s scores in memory).")]
 TpCommOverlapOpt = Annotated[Optional[bool], typer.Option("--tp-comm-overlap/--no-tp-comm-overlap", help="Megatron --tp-comm-overlap (TE userbuffers; needs SP). Default off.")]
 GradReduceBf16Opt = Annotated[Optional[bool], typer.Option("--grad-reduce-in-bf16/--grad-reduce-in-fp32", help="Gradient buffers and their reduction in bf16 (Megatron-Bridge recipes) or fp32 (Megatron-LM default).")]
 Fp8ParamGatherOpt = Annotated[Optional[bool], typer.Option("--fp8-param-gather/--no-fp8-param-gather", help="fp8 primary weights and fp8 parameter all-gathers (fp8/fp4 only).")]

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from .params import EfficiencyParams
 from .plan import microbatch_group_size
+from .specs import CUDNN_PREFERRED_FAMILIES, AttentionKernel
 
 #: kernels an MoE layer launches beyond a dense one (Megatron-Core moe_layer.py route -> preprocess ->
 #: dispatch -> combine), by the region a CUDA graph can capture (--cuda-graph-modules): the router
@@ -131,6 +132,23 @@ ATTN_HEAD_DIM_HALF = 64.0
 #: forward on the GPU and once on the host, so the constants are the forward equivalents of those totals
 ROPE_UNFUSED_EXTRA_BYTES = (20.0 + 22.0) / 3.0
 ROPE_UNFUSED_EXTRA_LAUNCHES = (22.0 + 12.0) / 2.0
+#: FlashAttention-2's rate against cuDNN's fused attention on Hopper, forward + backward, causal, bf16: measured on an
+#: H100 and an H200 (PyTorch 2.11's flash backend, FA2's kernels, against cuDNN 9.19; head dim 64 and 128, sequences
+#: 1024-16384, 20 shapes: 0.54-0.69, geometric mean 0.61; tests/data/gpu/*_microbench.json, tests/test_attention_kernel.py).
+#: FA2 issues Ampere's mma.sync, not Hopper's wgmma, and reaches ~35 % of H100's peak [FA3 sec. 1]. No Blackwell
+#: figure is measured; FA2 has no Blackwell tensor-core path either, so the Hopper ratio stands for both. The fitted
+#: fused-attention efficiency (attn_eff_max) is cuDNN's on Hopper / Blackwell and FlashAttention-2's on Ampere
+FLASH_ATTN_2_RATE_ON_HOPPER_PLUS = 0.61
+
+
+def attention_kernel_rate(kernel: AttentionKernel, gpu_family: str) -> float:
+    """A fused attention kernel's rate relative to the one attn_eff_max stands for on the GPU family: Transformer
+    Engine's default choice there (AttentionBackend.kernel with auto)."""
+    if kernel is AttentionKernel.FLASH_ATTN_2 and gpu_family in CUDNN_PREFERRED_FAMILIES:
+        return FLASH_ATTN_2_RATE_ON_HOPPER_PLUS
+    return 1.0
+
+
 #: fused attention in fp8 against bf16, same kernel family: cuDNN 9's SDPA runs up to 2x (bf16) and 3x (fp8)
 #: PyTorch's eager attention on H100 / H200, 1.2 PFLOP/s in fp8 [cuDNN9 blog]; FlashAttention-3's forward ~1.2
 #: PFLOP/s fp8 against ~0.74 bf16 on H100 (1.6x) [FA3]. The tensor cores double, the softmax's exponentials
@@ -341,7 +359,7 @@ def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: Efficiency
     head_eff = jnp.minimum(saturate(head_dim, ATTN_HEAD_DIM_HALF) / saturate(128.0, ATTN_HEAD_DIM_HALF), 1.0)
     fused_flops = 2.0 * T * fused_attention_keys_per_query(S, M, J, e) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
     fp8_speedup = jnp.where(J["fp8_attention"] > 0, FP8_ATTENTION_SPEEDUP, 1.0)
-    t_fused = fused_flops / (H["peak_bf16"] * e.attn_eff_max * head_eff * fp8_speedup)
+    t_fused = fused_flops / (H["peak_bf16"] * e.attn_eff_max * head_eff * fp8_speedup * J["attn_rate_x"])
     scores_per_bw = T * s * heads_local / (H["hbm_bw"] * e.hbm_eff)
     t_bmm = 2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
     fwd_bytes = e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_FWD

@@ -164,6 +164,8 @@ def encode_job(j: JobSpec, c: ClusterSpec, memory_limit_bytes: float | None = No
         # --fp8-recipe tensorwise measures each tensor's amax in a pass of its own before the cast
         fp8_amax_pass=float(j.fp8_recipe is Fp8Recipe.TENSORWISE),
         flash=float(j.flash_attention),
+        # the fused kernel's rate against the one attn_eff_max stands for (FlashAttention-2 on Hopper+: 0.61)
+        attn_rate_x=compute.attention_kernel_rate(j.attention_kernel(c.gpu), c.gpu.family),
         # --fp8-dot-product-attention: cuDNN's fused attention in fp8 (compute.attention_core_fwd_bwd_s)
         fp8_attention=float(j.fp8_attention),
         # Megatron's fused scale-mask-softmax: the job's shape rules (fp16/bf16 scores, 16 < sk <= 4096, sq and

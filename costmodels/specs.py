@@ -435,10 +435,28 @@ class Framework(enum.Enum):
         return self is Framework.MEGATRON
 
 
+class AttentionKernel(enum.Enum):
+    """The attention kernel a job runs, which its attention time depends on (compute.attention_kernel_rate)."""
+    CUDNN = "cudnn"                  # cuDNN's fused attention (Transformer Engine's FusedAttention, JAX's "cudnn")
+    FLASH_ATTN_2 = "flash-attn-2"    # FlashAttention-2 (the flash-attn package; PyTorch SDPA's flash backend)
+    UNFUSED = "unfused"              # batched GEMMs and softmax kernels over the s x s scores
+
+
+#: GPU families on which Transformer Engine prefers cuDNN's fused attention to FlashAttention when both can run
+#: ("Disabling FlashAttention to give FusedAttention preference on Hopper+ for performance reasons":
+#: dot_product_attention/utils.py get_attention_backend, v1.4-v2.14, device_compute_capability >= (9, 0));
+#: on Ampere it keeps FlashAttention
+CUDNN_PREFERRED_FAMILIES = frozenset({"hopper", "blackwell"})
+
+
 class AttentionBackend(enum.Enum):
-    """Megatron-Core --attention-backend: a fused kernel (FlashAttention / cuDNN fused attention)
-    never stores the s x s scores; `unfused` (pre-2022 Megatron-LM, Megatron-DeepSpeed's default)
-    computes them with batched GEMMs and memory-bound softmax kernels [K22 sec. 4.1]."""
+    """Megatron-Core --attention-backend (megatron/core/transformer/enums.py AttnBackend; default auto): a fused
+    kernel never stores the s x s scores; `unfused` (pre-2022 Megatron-LM, Megatron-DeepSpeed's default)
+    computes them with batched GEMMs and memory-bound softmax kernels [K22 sec. 4.1]. Megatron-Core passes the
+    choice to Transformer Engine as environment variables (language_module.py _set_attention_backend): flash sets
+    NVTE_FLASH_ATTN=1 and NVTE_FUSED_ATTN=0 (FlashAttention only), fused the reverse (cuDNN only), auto leaves
+    both on and Transformer Engine picks (`kernel`)."""
+    AUTO = "auto"
     FLASH = "flash"
     FUSED = "fused"
     UNFUSED = "unfused"
@@ -450,6 +468,21 @@ class AttentionBackend(enum.Enum):
     @property
     def is_fused(self) -> bool:
         return self is not AttentionBackend.UNFUSED
+
+    def kernel(self, framework: "Framework", gpu_family: str) -> AttentionKernel:
+        """The kernel this backend runs with a framework on a GPU family. auto: Transformer Engine's choice,
+        cuDNN on Hopper and Blackwell (CUDNN_PREFERRED_FAMILIES), FlashAttention-2 elsewhere; Megatron-
+        DeepSpeed's one fused kernel is FlashAttention-2 (--use-flash-attn-v2); a JAX trainer's is cuDNN's
+        (jax.nn.dot_product_attention, implementation="cudnn": this project's jax runner)."""
+        if self is AttentionBackend.UNFUSED:
+            return AttentionKernel.UNFUSED
+        if self is AttentionBackend.FUSED:
+            return AttentionKernel.CUDNN
+        if self is AttentionBackend.FLASH or framework is Framework.DEEPSPEED:
+            return AttentionKernel.FLASH_ATTN_2
+        if framework is Framework.JAX or gpu_family in CUDNN_PREFERRED_FAMILIES:
+            return AttentionKernel.CUDNN
+        return AttentionKernel.FLASH_ATTN_2
 
 
 class CrossEntropyImpl(enum.Enum):
@@ -632,7 +665,7 @@ class FrameworkSpec:
     Megatron-Bridge / NeMo performance recipes set grad_reduce_in_fp32=False.
     """
     framework: Framework = Framework.MEGATRON
-    attention_backend: AttentionBackend = AttentionBackend.FLASH   # --attention-backend
+    attention_backend: AttentionBackend = AttentionBackend.AUTO    # --attention-backend
     tp_comm_overlap: bool = False         # --tp-comm-overlap (TE userbuffers; needs SP); off by default
     grad_reduce_in_fp32: bool = True      # off: --grad-reduce-in-bf16
     fp8_param_gather: bool = False        # --fp8-param-gather: fp8 primary weights, fp8 all-gathers
@@ -908,6 +941,10 @@ class JobSpec:
     @property
     def flash_attention(self) -> bool:
         return self.framework.attention_backend.is_fused
+
+    def attention_kernel(self, gpu: "GPUSpec") -> AttentionKernel:
+        """The attention kernel this job runs on the GPU (AttentionBackend.kernel)."""
+        return self.framework.attention_backend.kernel(self.framework.framework, gpu.family)
 
     @property
     def tp_comm_overlap(self) -> bool:

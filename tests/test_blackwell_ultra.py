@@ -37,7 +37,7 @@ def _shapes(T, tp=1.0):
 def _attention(exp_x, *, fp8=1.0, flash=1.0, seq=4096, heads=128, qk=192, v=128):
     M = {"heads": heads, "qk_head_dim": qk, "v_head_dim": v, "window": 0, "window_layer_frac": 0.0}
     H = {"peak_bf16": 2.5e15, "matmul_frac_bf16": 0.776, "hbm_bw": 8e12, "exp_x": exp_x}
-    J = {"seq_len": float(seq), "flash": flash, "fp8_attention": fp8, "packed_tokens": 0.0}
+    J = {"seq_len": float(seq), "flash": flash, "fp8_attention": fp8, "packed_tokens": 0.0, "attn_rate_x": 1.0}
     fwd, bwd = compute.attention_core_fwd_bwd_s(_shapes(float(seq)), M, H, J, EfficiencyParams())
     return float(fwd), float(bwd)
 

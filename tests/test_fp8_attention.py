@@ -59,7 +59,7 @@ def test_fp8_attention_runs_the_fused_kernel_at_cudnns_fp8_rate(seq, heads, head
     M = {"heads": heads, "qk_head_dim": head_dim, "v_head_dim": head_dim, "window": window,
          "window_layer_frac": 0.5 if window else 0.0}
     H = {"peak_bf16": 989e12, "matmul_frac_bf16": 0.8, "hbm_bw": 3.35e12, "exp_x": 1.0}
-    J = {"seq_len": float(seq), "flash": 1.0, "fp8_attention": 0.0, "packed_tokens": 0.0}
+    J = {"seq_len": float(seq), "flash": 1.0, "fp8_attention": 0.0, "packed_tokens": 0.0, "attn_rate_x": 1.0}
     e = EfficiencyParams()
     bf16 = compute.attention_core_fwd_bwd_s(_shapes(T, tp), M, H, J, e)
     fp8 = compute.attention_core_fwd_bwd_s(_shapes(T, tp), M, H, {**J, "fp8_attention": 1.0}, e)

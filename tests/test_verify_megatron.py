@@ -110,7 +110,7 @@ def test_a_run_on_a_checkout_is_parsed_into_a_measurement_record(checkout, tmp_p
     assert rec["usable"] is True and rec["measured"]["iteration_time_s"] == pytest.approx(st["measured"])
     assert rec["measured"]["tokens_per_s_per_gpu"] == pytest.approx(64 * 4096 / st["measured"] / 8)
     assert rec["plan"]["tp"] == 2 and rec["plan"]["pp"] == 2 and rec["run"]["runner"] == "megatron"
-    assert rec["run"]["framework"]["attention_backend"] == "flash"
+    assert rec["run"]["framework"]["attention_backend"] == "auto"
     assert "--recompute-granularity selective" in rec["run"]["command"]
     with open(out["saved"]) as fh:
         assert json.load(fh)[0]["id"] == rec["id"]

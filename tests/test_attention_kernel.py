@@ -1,0 +1,138 @@
+"""Which attention kernel a job runs, and what it costs: Megatron-Core's --attention-backend (default auto) and
+Transformer Engine's choice under it.
+
+Golden facts, from the sources and the bundled measurements:
+- Megatron-Core's --attention-backend defaults to auto (megatron/training/arguments.py, core_v0.14-v0.18); it sets
+  NVTE_FLASH_ATTN=1 / NVTE_FUSED_ATTN=0 for flash, the reverse for fused, and leaves both on for auto
+  (language_module.py _set_attention_backend). Megatron-Bridge's recipes leave it to auto.
+- With both on, Transformer Engine disables FlashAttention "to give FusedAttention preference on Hopper+ for
+  performance reasons" (get_attention_backend, v1.4-v2.14, compute capability >= 9.0); on Ampere it keeps
+  FlashAttention.
+- Measured on an H100 and an H200 (tests/data/gpu/*_microbench.json): causal bf16 attention forward + backward,
+  FlashAttention-2 (PyTorch's flash backend) against cuDNN's fused kernel, 0.54-0.69 over head dims 64 / 128 and
+  sequences 1024-16384. FlashAttention-3's paper puts FA2 at ~35 % of H100's peak.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+from typer.testing import CliRunner
+
+from autotune import api
+from autotune.export import export
+from autotune.saved import problem_from_report
+from cli.main import app
+from costmodels import compute
+from costmodels.specs import AttentionBackend, AttentionKernel, Framework
+
+DATA = Path(__file__).parent / "data" / "gpu"
+A, FL, FU, UN = AttentionBackend.AUTO, AttentionBackend.FLASH, AttentionBackend.FUSED, AttentionBackend.UNFUSED
+MEG, DS, JAX = Framework.MEGATRON, Framework.DEEPSPEED, Framework.JAX
+CUDNN, FA2 = AttentionKernel.CUDNN, AttentionKernel.FLASH_ATTN_2
+
+
+def _measured_ratios() -> list:
+    """FlashAttention-2 / cuDNN forward + backward TFLOP/s, per (GPU, head dim, sequence) of the bundled runs."""
+    out = []
+    for gpu in ("h100", "h200"):
+        rows = json.loads((DATA / f"{gpu}_microbench.json").read_text())["attention"]
+        rate = {(r["backend"], r["head_dim"], r["seq"]): r["fwd_bwd_tflops"] for r in rows if "fwd_bwd_tflops" in r}
+        out += [rate[("flash", d, s)] / rate[k] for k in rate if k[0] == "cudnn"
+                for d, s in [k[1:]] if ("flash", d, s) in rate]
+    return out
+
+
+@pytest.mark.parametrize("backend,framework,family,kernel", [
+    (A, MEG, "hopper", CUDNN), (A, MEG, "blackwell", CUDNN),        # TE's preference on Hopper+
+    (A, MEG, "ampere", FA2), (A, MEG, "", FA2),                      # ... and FlashAttention elsewhere
+    (FL, MEG, "hopper", FA2), (FL, MEG, "ampere", FA2),              # NVTE_FUSED_ATTN=0
+    (FU, MEG, "ampere", CUDNN), (FU, MEG, "blackwell", CUDNN),       # NVTE_FLASH_ATTN=0
+    (UN, MEG, "hopper", AttentionKernel.UNFUSED),
+    (A, DS, "hopper", FA2), (FL, DS, "hopper", FA2),                 # Megatron-DeepSpeed: --use-flash-attn-v2
+    (A, JAX, "ampere", CUDNN), (A, JAX, "hopper", CUDNN),            # jax.nn.dot_product_attention "cudnn"
+])
+def test_the_backend_resolves_to_the_kernel_transformer_engine_runs(backend, framework, family, kernel):
+    assert backend.kernel(framework, family) is kernel
+
+
+def test_flash_attention_2s_rate_on_hopper_is_the_measured_one():
+    ratios = _measured_ratios()
+    assert len(ratios) == 20
+    assert 0.5 < min(ratios) and max(ratios) < 0.72
+    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    assert compute.FLASH_ATTN_2_RATE_ON_HOPPER_PLUS == pytest.approx(geomean, abs=0.01)
+
+
+@pytest.mark.parametrize("kernel,family,rate", [
+    (FA2, "hopper", compute.FLASH_ATTN_2_RATE_ON_HOPPER_PLUS), (FA2, "blackwell", compute.FLASH_ATTN_2_RATE_ON_HOPPER_PLUS),
+    (FA2, "ampere", 1.0), (CUDNN, "hopper", 1.0), (CUDNN, "ampere", 1.0)])
+def test_the_kernel_rate_is_relative_to_the_family_default(kernel, family, rate):
+    assert compute.attention_kernel_rate(kernel, family) == rate
+
+
+def _step(gpu: str, backend: str, seq: int, framework: str = "megatron") -> float:
+    p = api.build_problem(model="llama3-8b", gpu=gpu, gpus=8, global_batch=16, seq_len=seq, precision="bf16",
+                          framework={"attention_backend": backend, "framework": framework})
+    return api.predict_plan(p, api.plan_from_text("tp=1,pp=1,dp=8,mbs=1,zero=1,recompute=full", p))["step_time_s"]
+
+
+@settings(max_examples=12, deadline=None)
+@given(seq=st.sampled_from([2048, 8192, 32768]), gpu=st.sampled_from(["h100", "h200", "b200"]))
+def test_flash_on_hopper_plus_is_slower_than_auto_and_more_so_the_longer_the_sequence(seq, gpu):
+    auto, flash, fused = _step(gpu, "auto", seq), _step(gpu, "flash", seq), _step(gpu, "fused", seq)
+    assert fused == auto < flash
+    assert flash / auto < _step(gpu, "flash", 2 * seq) / _step(gpu, "auto", 2 * seq)
+
+
+def test_on_ampere_flash_is_what_auto_runs():
+    assert _step("a100-80gb", "flash", 8192) == _step("a100-80gb", "auto", 8192)
+
+
+def test_only_the_attention_core_moves_and_by_the_rate():
+    """The step's compute differs between flash and auto on an H100 by exactly the fused kernel's time x (1/rate - 1):
+    the one it predicts with attention_eff_max set so high that the core costs nothing is the same for both."""
+    from costmodels.params import EfficiencyParams
+
+    def compute_s(backend, e):
+        p = api.build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=16, seq_len=8192,
+                              framework={"attention_backend": backend})
+        plan = api.plan_from_text("tp=1,pp=1,dp=8,mbs=1,zero=1", p)
+        return api.predict_plan(p, plan, params=e)["time_breakdown_s"]["compute"]
+    e, free = EfficiencyParams(), EfficiencyParams(attn_eff_max=1e9)
+    assert compute_s("flash", free) == pytest.approx(compute_s("auto", free), rel=1e-6)
+    attn_auto = compute_s("auto", e) - compute_s("auto", free)
+    attn_flash = compute_s("flash", e) - compute_s("flash", free)
+    assert attn_flash / attn_auto == pytest.approx(1 / compute.FLASH_ATTN_2_RATE_ON_HOPPER_PLUS, rel=1e-3)
+
+
+@pytest.mark.parametrize("target,text", [("megatron", "--attention-backend auto"),
+                                         ("bridge", "model.attention_backend=auto")])
+def test_exports_keep_megatrons_default(target, text):
+    p = api.build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=16, seq_len=4096)
+    out = export(target, api.plan_from_text("tp=1,pp=1,dp=8,mbs=1,zero=1", p), p)
+    assert text in out.text
+
+
+def test_megatron_deepspeed_runs_flash_attention_2_and_the_cli_says_what_it_costs():
+    p = api.build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=16, seq_len=4096,
+                          framework={"framework": "deepspeed", "gradient_accumulation_fusion": False})
+    assert p.job.attention_kernel(p.cluster.gpu) is FA2
+    args = ["predict", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "16",
+            "--seq-len", "16384", "--plan", "tp=1,pp=1,dp=8,mbs=1,zero=1,recompute=full"]
+    flash = CliRunner().invoke(app, args + ["--attention-backend", "flash"])
+    auto = CliRunner().invoke(app, args)
+    assert flash.exit_code == 0 and auto.exit_code == 0, flash.output + auto.output
+    assert "runs FlashAttention-2" in flash.output and "FlashAttention-2" not in auto.output
+
+
+def test_a_legacy_report_with_flash_attention_reads_as_auto():
+    p = api.build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=16, seq_len=4096)
+    from autotune.report import problem_dict
+    d = problem_dict(p)
+    d["job"].pop("framework", None)
+    d["job"]["flash_attention"] = True
+    assert problem_from_report({"problem": d}).job.framework.attention_backend is A
