@@ -472,15 +472,16 @@ class AttentionBackend(enum.Enum):
     def kernel(self, framework: "Framework", gpu_family: str) -> AttentionKernel:
         """The kernel this backend runs with a framework on a GPU family. auto: Transformer Engine's choice,
         cuDNN on Hopper and Blackwell (CUDNN_PREFERRED_FAMILIES), FlashAttention-2 elsewhere; Megatron-
-        DeepSpeed's one fused kernel is FlashAttention-2 (--use-flash-attn-v2); a JAX trainer's is cuDNN's
-        (jax.nn.dot_product_attention, implementation="cudnn": this project's jax runner)."""
+        DeepSpeed's one fused kernel is FlashAttention-2 (--use-flash-attn-v2); a JAX trainer's is cuDNN's,
+        whichever fused backend is named (XLA has no FlashAttention-2: jax.nn.dot_product_attention,
+        implementation="cudnn", this project's jax runner)."""
         if self is AttentionBackend.UNFUSED:
             return AttentionKernel.UNFUSED
-        if self is AttentionBackend.FUSED:
+        if self is AttentionBackend.FUSED or framework is Framework.JAX:
             return AttentionKernel.CUDNN
         if self is AttentionBackend.FLASH or framework is Framework.DEEPSPEED:
             return AttentionKernel.FLASH_ATTN_2
-        if framework is Framework.JAX or gpu_family in CUDNN_PREFERRED_FAMILIES:
+        if gpu_family in CUDNN_PREFERRED_FAMILIES:
             return AttentionKernel.CUDNN
         return AttentionKernel.FLASH_ATTN_2
 

@@ -53,7 +53,8 @@ def _measured_ratios() -> list:
     (FU, MEG, "ampere", CUDNN), (FU, MEG, "blackwell", CUDNN),       # NVTE_FLASH_ATTN=0
     (UN, MEG, "hopper", AttentionKernel.UNFUSED),
     (A, DS, "hopper", FA2), (FL, DS, "hopper", FA2),                 # Megatron-DeepSpeed: --use-flash-attn-v2
-    (A, JAX, "ampere", CUDNN), (A, JAX, "hopper", CUDNN),            # jax.nn.dot_product_attention "cudnn"
+    (A, JAX, "ampere", CUDNN), (A, JAX, "hopper", CUDNN),            # jax.nn.dot_product_attention "cudnn":
+    (FL, JAX, "hopper", CUDNN), (UN, JAX, "hopper", AttentionKernel.UNFUSED),   # XLA has no FlashAttention-2
 ])
 def test_the_backend_resolves_to_the_kernel_transformer_engine_runs(backend, framework, family, kernel):
     assert backend.kernel(framework, family) is kernel
