@@ -146,10 +146,17 @@ def megatron_model_args(problem: Problem) -> list:
         a += ["--group-query-attention", "--num-query-groups", m.num_kv_heads]
     a += ["--seq-length", job.seq_len, "--max-position-embeddings", max(job.seq_len, m.max_seq_len)]
     if m.gated_mlp:        # Llama-style: SwiGLU, RMSNorm, RoPE, no biases (GPT-OSS keeps Megatron's default biases)
-        a += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+        a += ["--swiglu" if m.glu_activation == "silu" else "--quick-geglu", "--normalization", "RMSNorm",
+              "--position-embedding-type", "rope"]
+        if m.activation_clamp:       # GPT-OSS's clamped GLU (TransformerConfig fields of the same names)
+            a += ["--activation-func-clamp-value", f"{m.activation_clamp:g}"]
+        if m.glu_linear_offset:
+            a += ["--glu-linear-offset", f"{m.glu_linear_offset:g}"]
         a += [] if m.expert_bias else ["--disable-bias-linear"]
         if m.position_embedding == "yarn":     # YaRN-scaled RoPE runs unfused (the cost model's rope_unfused)
             a += ["--rope-type", "yarn", "--no-rope-fusion"]
+    if m.attention_sinks:      # GPT-OSS's learnable softmax offset per head (TransformerConfig.softmax_type)
+        a += ["--softmax-type", "learnable"]
     a += _window_args(m) + _vocab_args(m)
     if m.is_moe:
         a += ["--num-experts", m.num_experts, "--moe-router-topk", m.experts_per_token,
@@ -969,6 +976,8 @@ def megatron_deepspeed_args(plan: Plan, problem: Problem, config_name: str = MDS
                             "scored with")
     for bad, why in ((m.is_mla, "multi-latent attention"), (m.sliding_window, "sliding-window attention"),
                      (m.position_embedding == "yarn", "YaRN-scaled RoPE"),
+                     (m.glu_activation != "silu" or m.activation_clamp or m.glu_linear_offset,
+                      f"{m.glu_activation} GLU with a clamp or a linear offset (it has --swiglu)"),
                      (m.mtp_num_layers, "multi-token prediction (--mtp-num-layers)")):
         if bad:
             raise ExportRefused(t, "model", f"Megatron-DeepSpeed has no {why}")

@@ -106,7 +106,7 @@ def model_from_row(m: dict) -> ModelSpec:
                   "shared_expert_ffn_hidden_size", "first_k_dense_layers", "moe_layer_freq",
                   "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                   "sliding_window", "sliding_window_layers", "position_embedding", "mtp_num_layers",
-                  "expert_bias"):
+                  "expert_bias", "attention_sinks", "glu_activation", "activation_clamp", "glu_linear_offset"):
             base[f] = getattr(preset, f)
         if preset.is_mla:
             base["num_kv_heads"] = base["num_attention_heads"]

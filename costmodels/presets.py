@@ -337,6 +337,15 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
     # GPT-OSS provider: add_bias_linear=True); no other family's config carries routed-expert biases
     if model_type == "gpt_oss" and fields_.get("num_experts", 0) > 0:
         fields_["expert_bias"] = True
+    # and its attention has sinks, a learnable logit per head in every softmax (GptOssAttention.sinks; the bridge maps
+    # them to core_attention.softmax_offset with softmax_type="learnable")
+    if model_type == "gpt_oss":
+        fields_["attention_sinks"] = True
+        # and a clamped quick GeGLU (GptOssExperts: alpha 1.702, (up + 1) * glu, limit swiglu_limit, 7.0 by default)
+        limit = cfg.get("swiglu_limit", 7.0)
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= limit < 1e6:
+            raise SpecError("model", f"{where}: 'swiglu_limit' must be a number >= 0, got {limit!r}")
+        fields_.update(glu_activation="quick_gelu", glu_linear_offset=1.0, activation_clamp=float(limit))
     return ModelSpec(name=name, source=source, **fields_)
 
 

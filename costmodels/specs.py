@@ -6,6 +6,7 @@ whose message names the field, the value and the rule.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import enum
@@ -70,6 +71,9 @@ MAX_SIZE = {
 
 #: Megatron-Core GPTModel's position_embedding_type values the cost model tells apart
 POSITION_EMBEDDINGS = ("rope", "yarn", "learned_absolute")
+#: a gated MLP's activation (Megatron-Core TransformerConfig.activation_func with gated_linear_unit): SiLU (SwiGLU,
+#: --swiglu) or quick GeLU, x * sigmoid(1.702 x) (GPT-OSS's, --quick-geglu; megatron/core/fusions/fused_bias_geglu.py)
+GLU_ACTIVATIONS = ("silu", "quick_gelu")
 
 
 def check_size(name: str, value, field_name: str | None = None) -> None:
@@ -159,6 +163,17 @@ class ModelSpec:
     # the routed experts' linear layers carry biases (Megatron's --add-bias-linear on an MoE model: GPT-OSS);
     # Megatron-Core's TEGroupedMLP adds fc2's bias expert by expert in Python (compute.EXPERT_BIAS_*)
     expert_bias: bool = False
+    # a learnable per-head softmax offset, the "attention sinks" (GPT-OSS: transformers' GptOssAttention.sinks;
+    # Megatron-Core softmax_type="learnable", Megatron-Bridge's GPT-OSS bridge): Transformer Engine runs it on cuDNN's
+    # fused or its unfused attention, never on FlashAttention (AttentionBackend.flash_attention_2_refusal)
+    attention_sinks: bool = False
+    # the gated MLP's activation (GLU_ACTIVATIONS) and GPT-OSS's clamp: the gate clamped to at most c, the linear half
+    # to [-c, c], then act(gate) * (linear + offset) (Megatron-Core activation_func_clamp_value, glu_linear_offset;
+    # transformers' GptOssExperts: swiglu_limit 7.0, offset 1). The same element-wise work as SwiGLU to the cost
+    # model (one fused kernel: weighted_bias_quick_geglu_impl); the export names it. 0 = no clamp, no offset
+    glu_activation: str = "silu"
+    activation_clamp: float = 0.0
+    glu_linear_offset: float = 0.0
     # multi-token prediction (DeepSeek-V3 sec. 2.2; Megatron --mtp-num-layers, HF num_nextn_predict_layers): D
     # sequential modules after the last layer, each a transformer layer of the last layer's kind (MoE when it is
     # MoE), two RMSNorms and a 2h -> h projection, with a second pass through the shared output layer and loss
@@ -188,6 +203,14 @@ class ModelSpec:
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise SpecError("position_embedding", f"must be one of {', '.join(POSITION_EMBEDDINGS)}, "
                             f"got {self.position_embedding!r}")
+        if self.glu_activation not in GLU_ACTIVATIONS:
+            raise SpecError("glu_activation", f"must be one of {', '.join(GLU_ACTIVATIONS)}, got {self.glu_activation!r}")
+        for f in ("activation_clamp", "glu_linear_offset"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > 1e6:
+                raise SpecError(f, f"must be a finite number, got {v!r}")
+        if self.activation_clamp < 0:
+            raise SpecError("activation_clamp", f"must be >= 0 (0 = no clamp), got {self.activation_clamp!r}")
         if self.sliding_window_layers is not None:
             if not 0 <= self.sliding_window_layers <= self.num_layers:
                 raise SpecError("sliding_window_layers", f"must be in 0..num_layers={self.num_layers}, "
@@ -447,6 +470,24 @@ class AttentionKernel(enum.Enum):
 #: dot_product_attention/utils.py get_attention_backend, v1.4-v2.14, device_compute_capability >= (9, 0));
 #: on Ampere it keeps FlashAttention
 CUDNN_PREFERRED_FAMILIES = frozenset({"hopper", "blackwell"})
+
+
+def flash_attention_2_refusal(model: "ModelSpec") -> str:
+    """Why FlashAttention-2 cannot run a model's attention ("" when it can): Transformer Engine's filters
+    (dot_product_attention/utils.py get_attention_backend, v2.7-v2.14): no softmax_type but "vanilla" (attention
+    sinks), no head_dim_qk != head_dim_v ("does not support MLA"), head dims a multiple of 8 and at most 256."""
+    if model.attention_sinks:
+        return "its attention sinks (a learnable softmax offset) run on cuDNN's fused or the unfused attention only"
+    if model.is_mla:
+        qk, v = model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim
+        if qk != v:
+            return f"multi-head latent attention's query-key head dim {qk} differs from its value head dim {v}"
+        d = qk
+    else:
+        d = model.head_dim_eff
+    if d > 256 or d % 8:
+        return f"head dim {d} (it takes multiples of 8 up to 256)"
+    return ""
 
 
 class AttentionBackend(enum.Enum):
@@ -860,6 +901,25 @@ class FrameworkSpec:
                             "use moe_router (+moe_preprocess) or moe")
         if CudaGraphModule.MAMBA in mods:
             raise SpecError("cuda_graph_modules", f"mamba captures Mamba layers and {model.name} has none")
+
+    def check_attention_backend_for(self, model: "ModelSpec", gpu_family: str) -> None:
+        """A backend that runs FlashAttention-2 on a model it cannot take: Megatron-Core's flash backend turns
+        Transformer Engine's other backends off (NVTE_FUSED_ATTN=0, NVTE_UNFUSED_ATTN=0), so TE finds none and
+        raises; Megatron-DeepSpeed's --use-flash-attn-v2 calls flash-attn itself. Under auto Transformer Engine
+        falls back to cuDNN's fused attention where FlashAttention-2 cannot run (Ampere; the same modelled rate)."""
+        if model.attention_sinks and self.framework is Framework.DEEPSPEED:
+            raise SpecError("attention_backend", f"Megatron-DeepSpeed's attention has no sinks (a learnable softmax "
+                            f"offset), which {model.name} has; use --framework megatron")
+        forced = (self.attention_backend is AttentionBackend.FLASH and self.framework is Framework.MEGATRON) or (
+            self.framework is Framework.DEEPSPEED and self.attention_backend.is_fused)
+        if not forced or self.attention_backend.kernel(self.framework, gpu_family) is not AttentionKernel.FLASH_ATTN_2:
+            return
+        why = flash_attention_2_refusal(model)
+        if why:
+            fix = ("use --attention-backend unfused, or --framework megatron with auto" if self.framework is
+                   Framework.DEEPSPEED else "use --attention-backend auto or fused (cuDNN)")
+            raise SpecError("attention_backend", f"{self.attention_backend.value} runs FlashAttention-2 here, which "
+                            f"cannot run {model.name}: {why}; {fix}")
 
     def check_mtp_for(self, model: "ModelSpec") -> None:
         """Multi-token prediction where the framework runs it: Megatron-Core takes it with RoPE (or no) position

@@ -137,3 +137,114 @@ def test_a_legacy_report_with_flash_attention_reads_as_auto():
     d["job"].pop("framework", None)
     d["job"]["flash_attention"] = True
     assert problem_from_report({"problem": d}).job.framework.attention_backend is A
+
+
+# --- where FlashAttention-2 cannot run the model (Transformer Engine's filters, get_attention_backend v2.7-v2.14) ---
+
+def test_gpt_oss_has_attention_sinks_and_the_others_do_not():
+    from costmodels.presets import MODEL_PRESETS, model_from_hf_config
+    assert MODEL_PRESETS["gpt-oss-120b"].attention_sinks
+    for name in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "llama3-8b"):
+        assert not MODEL_PRESETS[name].attention_sinks, name
+    cfg = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 256,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
+           "num_local_experts": 8, "num_experts_per_tok": 2}
+    assert model_from_hf_config(cfg, "tiny-oss").attention_sinks
+
+
+@pytest.mark.parametrize("model,framework,backend,gpu,why", [
+    ("gpt-oss-120b", "megatron", "flash", "h100", "attention sinks"),        # softmax_type != vanilla
+    ("gpt-oss-120b", "megatron", "flash", "a100-80gb", "attention sinks"),
+    ("deepseek-v3", "megatron", "flash", "b200", "192 differs from its value head dim 128"),   # "does not support MLA"
+    ("gpt-oss-120b", "deepspeed", "auto", "h100", "Megatron-DeepSpeed's attention has no sinks"),
+    ("gpt-oss-120b", "deepspeed", "unfused", "h100", "Megatron-DeepSpeed's attention has no sinks"),
+])
+def test_a_backend_that_forces_flash_attention_2_on_a_model_it_cannot_run_is_refused(model, framework, backend,
+                                                                                       gpu, why):
+    from costmodels.specs import SpecError
+    with pytest.raises(SpecError, match=why) as err:
+        api.build_problem(model=model, gpu=gpu, gpus=64, global_batch=64, seq_len=4096,
+                          framework={"framework": framework, "attention_backend": backend})
+    assert err.value.field == "attention_backend"
+
+
+@pytest.mark.parametrize("model,framework,backend,gpu", [
+    ("gpt-oss-120b", "megatron", "auto", "h100"), ("gpt-oss-120b", "megatron", "auto", "a100-80gb"),   # TE falls back
+    ("gpt-oss-120b", "megatron", "fused", "h100"), ("gpt-oss-120b", "megatron", "unfused", "h100"),
+    ("deepseek-v3", "megatron", "auto", "h100"), ("gpt-oss-120b", "jax", "flash", "h100"),            # XLA: cuDNN
+    ("llama3-8b", "megatron", "flash", "h100"), ("llama3-8b", "deepspeed", "auto", "h100"),
+])
+def test_backends_that_can_run_the_model_are_kept(model, framework, backend, gpu):
+    api.build_problem(model=model, gpu=gpu, gpus=64, global_batch=64, seq_len=4096,
+                      framework={"framework": framework, "attention_backend": backend})
+
+
+def test_the_cli_refuses_it_in_one_line_and_the_export_sets_the_sinks():
+    args = ["predict", "--model", "gpt-oss-120b", "--gpu", "h100", "--gpus", "64", "--global-batch", "256",
+            "--seq-len", "4096", "--plan", "tp=1,pp=4,dp=16,ep=8,mbs=1,zero=1"]
+    bad = CliRunner().invoke(app, args + ["--attention-backend", "flash"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+    lines = bad.output.strip().splitlines()
+    assert len(lines) == 1 and "attention_backend" in lines[0] and "sinks" in lines[0]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    p = api.build_problem(model="gpt-oss-120b", gpu="h100", gpus=64, global_batch=256, seq_len=4096)
+    out = export("megatron", api.plan_from_text("tp=1,pp=4,dp=16,ep=8,mbs=1,zero=1", p), p).text
+    assert "--softmax-type learnable" in out
+    q = api.build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=16, seq_len=4096)
+    assert "--softmax-type" not in export("megatron", api.plan_from_text("tp=1,pp=1,dp=8,mbs=1,zero=1", q), q).text
+
+
+# --- GPT-OSS's clamped quick GeGLU, as Megatron-Core names it (transformers' GptOssExperts: alpha 1.702,
+# (up + 1) * gate * sigmoid(1.702 gate), the gate clamped to <= swiglu_limit and up to [-limit, limit]) ---
+
+def test_gpt_oss_runs_a_clamped_quick_geglu_read_from_its_config():
+    from costmodels.presets import MODEL_PRESETS, model_from_hf_config
+    m = MODEL_PRESETS["gpt-oss-120b"]
+    assert (m.glu_activation, m.activation_clamp, m.glu_linear_offset) == ("quick_gelu", 7.0, 1.0)
+    assert MODEL_PRESETS["llama3-8b"].glu_activation == "silu" and not MODEL_PRESETS["llama3-8b"].activation_clamp
+    cfg = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 256,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": 5}
+    assert model_from_hf_config(cfg, "tiny-oss").activation_clamp == 5.0
+
+
+@pytest.mark.parametrize("limit", ["7", -1.0, float("nan"), True, 1e300])
+def test_a_bad_swiglu_limit_is_refused_naming_it(limit):
+    from costmodels.presets import model_from_hf_config
+    from costmodels.specs import SpecError
+    cfg = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 256,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": limit}
+    with pytest.raises(SpecError, match="swiglu_limit"):
+        model_from_hf_config(cfg, "tiny-oss")
+
+
+@pytest.mark.parametrize("field,value", [("glu_activation", "relu"), ("activation_clamp", -1.0),
+                                         ("activation_clamp", float("inf")), ("glu_linear_offset", float("nan"))])
+def test_the_model_spec_refuses_an_activation_it_does_not_know(field, value):
+    import dataclasses
+    from costmodels.presets import MODEL_PRESETS
+    from costmodels.specs import SpecError
+    with pytest.raises(SpecError) as err:
+        dataclasses.replace(MODEL_PRESETS["llama3-8b"], **{field: value})
+    assert err.value.field == field
+
+
+def test_the_megatron_export_names_the_activation_and_megatron_deepspeed_refuses_it():
+    import dataclasses
+    from autotune.export import ExportRefused
+    from tests.test_export import NAMES
+    p = api.build_problem(model="gpt-oss-120b", gpu="h100", gpus=64, global_batch=256, seq_len=4096)
+    out = export("megatron", api.plan_from_text("tp=1,pp=4,dp=16,ep=8,mbs=1,zero=1", p), p)
+    text = " ".join(out.text.split())
+    assert "--quick-geglu" in text and "--swiglu" not in text
+    assert "--activation-func-clamp-value 7 " in text and "--glu-linear-offset 1 " in text
+    assert set(out.options) <= NAMES["megatron"]
+    q = api.build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=16, seq_len=4096)
+    lt = export("megatron", api.plan_from_text("tp=1,pp=1,dp=8,mbs=1,zero=1", q), q).text
+    assert "--swiglu" in lt and "--quick-geglu" not in lt and "--activation-func-clamp-value" not in lt
+    ds = api.build_problem(model="llama3-8b", gpu="h100", gpus=8, global_batch=16, seq_len=4096,
+                           framework={"framework": "deepspeed", "gradient_accumulation_fusion": False})
+    ds = dataclasses.replace(ds, model=dataclasses.replace(ds.model, glu_activation="quick_gelu", activation_clamp=7.0))
+    with pytest.raises(ExportRefused, match="quick_gelu GLU"):
+        export("megatron-deepspeed", api.plan_from_text("tp=1,pp=1,dp=8,mbs=1,zero=1", ds), ds)
