@@ -35,6 +35,13 @@ MEG, DS, JAX = Framework.MEGATRON, Framework.DEEPSPEED, Framework.JAX
 CUDNN, FA2 = AttentionKernel.CUDNN, AttentionKernel.FLASH_ATTN_2
 
 
+def tiny_gpt_oss_config(**extra) -> dict:
+    """A four-layer GPT-OSS config.json (transformers' GptOssConfig keys)."""
+    return {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 256,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
+            "num_local_experts": 8, "num_experts_per_tok": 2, **extra}
+
+
 def _measured_ratios() -> list:
     """FlashAttention-2 / cuDNN forward + backward TFLOP/s, per (GPU, head dim, sequence) of the bundled runs."""
     out = []
@@ -146,10 +153,7 @@ def test_gpt_oss_has_attention_sinks_and_the_others_do_not():
     assert MODEL_PRESETS["gpt-oss-120b"].attention_sinks
     for name in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "llama3-8b"):
         assert not MODEL_PRESETS[name].attention_sinks, name
-    cfg = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 256,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
-           "num_local_experts": 8, "num_experts_per_tok": 2}
-    assert model_from_hf_config(cfg, "tiny-oss").attention_sinks
+    assert model_from_hf_config(tiny_gpt_oss_config(), "tiny-oss").attention_sinks
 
 
 @pytest.mark.parametrize("model,framework,backend,gpu,why", [
@@ -202,21 +206,15 @@ def test_gpt_oss_runs_a_clamped_quick_geglu_read_from_its_config():
     m = MODEL_PRESETS["gpt-oss-120b"]
     assert (m.glu_activation, m.activation_clamp, m.glu_linear_offset) == ("quick_gelu", 7.0, 1.0)
     assert MODEL_PRESETS["llama3-8b"].glu_activation == "silu" and not MODEL_PRESETS["llama3-8b"].activation_clamp
-    cfg = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 256,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
-           "num_local_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": 5}
-    assert model_from_hf_config(cfg, "tiny-oss").activation_clamp == 5.0
+    assert model_from_hf_config(tiny_gpt_oss_config(swiglu_limit=5), "tiny-oss").activation_clamp == 5.0
 
 
 @pytest.mark.parametrize("limit", ["7", -1.0, float("nan"), True, 1e300])
 def test_a_bad_swiglu_limit_is_refused_naming_it(limit):
     from costmodels.presets import model_from_hf_config
     from costmodels.specs import SpecError
-    cfg = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 256,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
-           "num_local_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": limit}
     with pytest.raises(SpecError, match="swiglu_limit"):
-        model_from_hf_config(cfg, "tiny-oss")
+        model_from_hf_config(tiny_gpt_oss_config(swiglu_limit=limit), "tiny-oss")
 
 
 @pytest.mark.parametrize("field,value", [("glu_activation", "relu"), ("activation_clamp", -1.0),

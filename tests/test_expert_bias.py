@@ -29,10 +29,8 @@ def test_gpt_oss_experts_have_biases_and_other_moe_models_do_not():
     for name in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b", "llama3-8b"):
         assert not MODEL_PRESETS[name].expert_bias, name
     # from a config.json: transformers' GptOssExperts has gate_up_proj_bias and down_proj_bias
-    cfg = {"model_type": "gpt_oss", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 256,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
-           "num_local_experts": 8, "num_experts_per_tok": 2}
-    assert model_from_hf_config(cfg, "tiny-oss").expert_bias
+    from tests.test_attention_kernel import tiny_gpt_oss_config
+    assert model_from_hf_config(tiny_gpt_oss_config(), "tiny-oss").expert_bias
 
 
 def test_the_loop_costs_its_counted_bytes_and_kernels():
