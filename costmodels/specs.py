@@ -999,6 +999,14 @@ class JobSpec:
                             f"{' / '.join(families)} GPUs only (Transformer Engine's fused fp8 attention); "
                             f"{gpu.name} is {gpu.family}" + (": use fp8_recipe=delayed" if gpu.family == "hopper" else ""))
 
+    def check_fp8_attention_for(self, model: "ModelSpec", gpu: "GPUSpec") -> None:
+        """Transformer Engine runs fp8 attention over a softmax with sinks on cuDNN only from Blackwell and cuDNN 9.21
+        on (get_attention_backend v2.16-v2.18: "Disabling FusedAttention for softmax_type in FP8 on sm < 100", and the
+        unfused attention for it in fp8 always); before that, or on Hopper, no backend is left."""
+        if self.fp8_attention and model.attention_sinks and gpu.family and gpu.family != "blackwell":
+            raise SpecError("fp8_dot_product_attention", f"{model.name}'s attention sinks run in fp8 on Blackwell only "
+                            f"(Transformer Engine, cuDNN >= 9.21); {gpu.name} is {gpu.family}: drop it")
+
     @property
     def flash_attention(self) -> bool:
         return self.framework.attention_backend.is_fused

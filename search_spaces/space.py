@@ -39,6 +39,7 @@ class Problem:
         self.job.framework.check_cpu_offloading_for(self.model)  # fewer offloaded layers than the model has
         self.job.check_fp8_recipe_for(self.cluster.gpu)          # an fp8 recipe the GPU runs
         self.job.framework.check_attention_backend_for(self.model, self.cluster.gpu.family)   # a kernel that runs it
+        self.job.check_fp8_attention_for(self.model, self.cluster.gpu)  # fp8 attention of the model's softmax
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,17 @@ def _graphed(p: Problem, module: CudaGraphModule) -> bool:
     return whole or module in fw.cuda_graph_modules
 
 
+def _ring_cp_refusal(p: Problem) -> str:
+    """What of the model's attention Transformer Engine's ring (p2p) context parallelism refuses ("" if none) under
+    Megatron-Core; a JAX trainer shards the sequence its own way."""
+    if p.job.framework.framework is not Framework.MEGATRON:
+        return ""
+    m = p.model
+    parts = [what for what, has in (("the sliding-window attention", m.num_sliding_window_layers > 0),
+                                    ("the attention sinks", m.attention_sinks)) if has]
+    return " and ".join(parts)
+
+
 def _deepspeed(p: Problem) -> bool:
     return p.job.framework.framework is Framework.DEEPSPEED
 
@@ -233,6 +245,14 @@ RULES: tuple[Rule, ...] = (
     Rule("cp_seq", lambda a, p: (a["cp"] == 1) | (p.job.seq_len % (2 * a["cp"]) == 0),
          lambda a, p: f"cp={_v(a,'cp')}: seq_len={p.job.seq_len} must divide by 2*cp={2*_v(a,'cp')} "
                       f"(load-balanced causal chunks)"),
+    # Megatron-Core's context parallelism is a p2p ring by default (--cp-comm-type p2p, the only kind this cost model
+    # prices); Transformer Engine's attn_forward_func_with_cp asserts that sliding-window attention runs with a2a or
+    # all_gather only and a softmax with sinks with a2a only (context_parallel.py, v2.9-v2.18)
+    Rule("cp_ring_attention", lambda a, p: (a["cp"] == 1) | (not _ring_cp_refusal(p)),
+         lambda a, p: f"cp={_v(a,'cp')}: Megatron-Core's context parallelism is a p2p ring (--cp-comm-type p2p), "
+                      f"and Transformer Engine runs {_ring_cp_refusal(p)} of {p.model.name} only with cp_comm_type "
+                      f"{'a2a' if p.model.attention_sinks else 'a2a or all_gather'} (context_parallel.py asserts); "
+                      "use cp=1"),
     Rule("ep_experts", lambda a, p: (a["ep"] == 1) | ((p.model.num_experts > 0)
                                                      & (p.model.num_experts % np.maximum(a["ep"], 1) == 0)),
          lambda a, p: (f"ep={_v(a,'ep')} must divide the number of experts {p.model.num_experts}" if p.model.is_moe
@@ -415,7 +435,7 @@ RULES: tuple[Rule, ...] = (
 
 #: rules that read only the mesh knobs (tp, cp, pp, dp, ep, etp); they come first in RULES, so
 #: enumeration can apply them to the small outer grid before expanding the inner knobs
-MESH_RULES = ("gpus", "tp_heads", "cp_seq", "ep_experts", "ep_fold", "etp_ffn", "vpp_needs_pp", "pp_split",
+MESH_RULES = ("gpus", "tp_heads", "cp_seq", "cp_ring_attention", "ep_experts", "ep_fold", "etp_ffn", "vpp_needs_pp", "pp_split",
               "account_needs_pp", "account_not_uneven", "stage_layers_need_pp", "stage_layers_vpp",
               "stage_layers_rest", "deepspeed_no_interleave", "deepspeed_no_cp", "deepspeed_split")
 assert tuple(r.name for r in RULES[:len(MESH_RULES)]) == MESH_RULES

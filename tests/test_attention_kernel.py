@@ -18,6 +18,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from typer.testing import CliRunner
@@ -27,7 +28,7 @@ from autotune.export import export
 from autotune.saved import problem_from_report
 from cli.main import app
 from costmodels import compute
-from costmodels.specs import AttentionBackend, AttentionKernel, Framework
+from costmodels.specs import AttentionBackend, AttentionKernel, Framework, SpecError
 
 DATA = Path(__file__).parent / "data" / "gpu"
 A, FL, FU, UN = AttentionBackend.AUTO, AttentionBackend.FLASH, AttentionBackend.FUSED, AttentionBackend.UNFUSED
@@ -165,7 +166,6 @@ def test_gpt_oss_has_attention_sinks_and_the_others_do_not():
 ])
 def test_a_backend_that_forces_flash_attention_2_on_a_model_it_cannot_run_is_refused(model, framework, backend,
                                                                                        gpu, why):
-    from costmodels.specs import SpecError
     with pytest.raises(SpecError, match=why) as err:
         api.build_problem(model=model, gpu=gpu, gpus=64, global_batch=64, seq_len=4096,
                           framework={"framework": framework, "attention_backend": backend})
@@ -212,7 +212,6 @@ def test_gpt_oss_runs_a_clamped_quick_geglu_read_from_its_config():
 @pytest.mark.parametrize("limit", ["7", -1.0, float("nan"), True, 1e300])
 def test_a_bad_swiglu_limit_is_refused_naming_it(limit):
     from costmodels.presets import model_from_hf_config
-    from costmodels.specs import SpecError
     with pytest.raises(SpecError, match="swiglu_limit"):
         model_from_hf_config(tiny_gpt_oss_config(swiglu_limit=limit), "tiny-oss")
 
@@ -222,7 +221,6 @@ def test_a_bad_swiglu_limit_is_refused_naming_it(limit):
 def test_the_model_spec_refuses_an_activation_it_does_not_know(field, value):
     import dataclasses
     from costmodels.presets import MODEL_PRESETS
-    from costmodels.specs import SpecError
     with pytest.raises(SpecError) as err:
         dataclasses.replace(MODEL_PRESETS["llama3-8b"], **{field: value})
     assert err.value.field == field
@@ -246,3 +244,57 @@ def test_the_megatron_export_names_the_activation_and_megatron_deepspeed_refuses
     ds = dataclasses.replace(ds, model=dataclasses.replace(ds.model, glu_activation="quick_gelu", activation_clamp=7.0))
     with pytest.raises(ExportRefused, match="quick_gelu GLU"):
         export("megatron-deepspeed", api.plan_from_text("tp=1,pp=1,dp=8,mbs=1,zero=1", ds), ds)
+
+
+# --- what Transformer Engine's context parallelism and fp8 attention refuse (context_parallel.py
+# attn_forward_func_with_cp asserts, v2.9-v2.18: sliding windows with cp_comm_type a2a / all_gather only, a softmax
+# with sinks with a2a only; Megatron-Core's default and this model's only kind is the p2p ring) ---
+
+@pytest.mark.parametrize("model,seq,refused", [
+    ("gpt-oss-120b", 8192, "the sliding-window attention and the attention sinks of gpt-oss-120b only with "
+                           "cp_comm_type a2a"),
+    ("llama3-8b", 8192, None), ("deepseek-v3", 8192, None),            # MLA runs on the p2p ring
+])
+def test_the_p2p_ring_refuses_what_te_refuses(model, seq, refused):
+    from search_spaces.space import check_plan, enumerate_legal
+    p = api.build_problem(model=model, gpu="h100", gpus=256, global_batch=256, seq_len=seq)
+    stream, _ = enumerate_legal(p)
+    cps = {int(c) for batch in stream for c in np.asarray(batch["cp"])}
+    text = "tp=1,cp=2,pp=1,dp=128" + (",ep=8" if p.model.is_moe else "") + ",mbs=1,zero=1"
+    if refused:
+        assert cps == {1}
+        with pytest.raises(SpecError, match="cp_ring_attention") as err:
+            check_plan(api.plan_from_text(text, p), p)
+        assert refused in str(err.value)
+    else:
+        assert max(cps) > 1
+        check_plan(api.plan_from_text(text, p), p)
+
+
+@pytest.mark.parametrize("framework,refused", [("megatron", True), ("jax", False)])
+def test_a_sliding_window_alone_asks_for_a2a_or_all_gather_under_megatron(framework, refused):
+    import dataclasses
+    from search_spaces.space import check_plan
+    p = api.build_problem(model="llama3-8b", gpu="h100", gpus=16, global_batch=16, seq_len=8192,
+                          framework={"framework": framework})
+    p = dataclasses.replace(p, model=dataclasses.replace(p.model, sliding_window=4096))     # Mistral-style
+    text = "tp=1,cp=2,pp=1,dp=8,mbs=1,zero=1"
+    if refused:
+        with pytest.raises(SpecError, match="sliding-window attention of llama3-8b only with cp_comm_type a2a or "
+                                            "all_gather"):
+            check_plan(api.plan_from_text(text, p), p)
+    else:
+        check_plan(api.plan_from_text(text, p), p)
+
+
+@pytest.mark.parametrize("gpu,ok", [("h100", False), ("h200", False), ("b200", True), ("gb200", True)])
+def test_fp8_attention_over_sinks_runs_on_blackwell_only(gpu, ok):
+    fw = {"attention_backend": "fused", "fp8_dot_product_attention": True, "fp8_recipe": "delayed"}
+    build = lambda: api.build_problem(model="gpt-oss-120b", gpu=gpu, gpus=64, global_batch=64, seq_len=4096,
+                                      precision="fp8", framework=fw)
+    if ok:
+        assert build().job.fp8_attention
+    else:
+        with pytest.raises(SpecError, match="Blackwell only") as err:
+            build()
+        assert err.value.field == "fp8_dot_product_attention"

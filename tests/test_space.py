@@ -56,6 +56,8 @@ _CASES = [
      Plan(tp=8, dp=2), Plan(tp=4, dp=4)),
     ("cp_seq", "seq not divisible by 2*cp", _problem(job=JobSpec(global_batch=32, seq_len=1000)),
      Plan(cp=8, dp=2), Plan(cp=4, dp=4)),
+    ("cp_ring_attention", "a sliding window on Megatron's p2p context-parallel ring (TE asserts a2a / all_gather)",
+     _problem(model=replace(DENSE, sliding_window=256)), Plan(cp=2, dp=8), Plan(dp=16)),
     ("pp_split", "a rank's layers not divisible by vpp", _problem(),
      Plan(pp=4, dp=4, vpp=4), Plan(pp=4, dp=4, vpp=2)),
     ("pp_split", "pp does not divide the layers (Megatron-Core's even split)", _problem(),
