@@ -823,6 +823,10 @@ class FrameworkSpec:
                 raise SpecError("fp8_dot_product_attention", "runs on cuDNN's fused attention only (Transformer "
                                 "Engine disables FlashAttention and unfused attention for fp8 training): use "
                                 f"attention_backend=fused, got {self.attention_backend.value}")
+        if self.moe_token_dispatcher_type is DispatcherType.FLEX and self.moe_expert_capacity_factor > 0:
+            raise SpecError("moe_expert_capacity_factor", "the flex dispatcher does not pad experts to a capacity "
+                            "(Megatron-Core: \"Flex token dispatcher does not support moe_pad_expert_input_to_capacity\" "
+                            "with DeepEP, its default backend); use the alltoall dispatcher or a dropless MoE")
         if self.overlap_moe_expert_parallel_comm:
             if self.framework is not Framework.MEGATRON:
                 raise SpecError("overlap_moe_expert_parallel_comm", f"is a Megatron-Core option; {self.framework.value} "

@@ -18,8 +18,8 @@ import numpy as np
 from costmodels.plan import (DEFAULT_RECOMPUTE_MODULES, PLAN_FIELDS, RECOMPUTE_MODULES, Plan, PlanBatch, expand_layout,
                              module_bit,
                              modules_mask, modules_of_mask, parse_layout, stage_layers)
-from costmodels.specs import (ClusterSpec, CudaGraphImpl, CudaGraphModule, Framework, JobSpec, ModelSpec, Recompute,
-                              SpecError)
+from costmodels.specs import (ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, Framework, JobSpec, ModelSpec,
+                              Recompute, SpecError)
 
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 VPP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
@@ -417,6 +417,12 @@ RULES: tuple[Rule, ...] = (
     Rule("cuda_graph_dropout_recompute", _dropout_graph_ok,
          lambda a, p: f"hidden_dropout={p.model.hidden_dropout} with a graphed MLP/MoE that selective recompute "
                       "replays: not supported by Megatron-Core; drop mlp/moe from recompute_modules"),
+    # the flex dispatcher (DeepEP / HybridEP) runs over the expert TP x EP group and asserts it has more than one
+    # rank (token_dispatcher.py MoEFlexTokenDispatcher: "Flex token dispatcher requires TPxEP > 1", core_v0.14-v0.18)
+    Rule("flex_needs_ep", lambda a, p: (p.job.framework.moe_token_dispatcher_type is not DispatcherType.FLEX)
+         | (not p.model.is_moe) | (a["ep"] * a["etp"] > 1),
+         lambda a, p: f"--moe-token-dispatcher-type flex with ep={_v(a,'ep')} x etp={_v(a,'etp')} = 1: Megatron-Core's "
+                      "flex dispatcher needs an expert group of more than one rank; use ep > 1 or the alltoall dispatcher"),
     # batch-level EP overlap (transformer_config.py __post_init__: overlap_moe_expert_parallel_comm)
     Rule("ep_overlap_needs_ep", lambda a, p: (not p.job.framework.overlap_moe_expert_parallel_comm) | (a["ep"] > 1),
          lambda a, p: f"--overlap-moe-expert-parallel-comm with ep={_v(a,'ep')}: it overlaps expert-parallel "

@@ -106,6 +106,8 @@ def test_overlap_cannot_hide_more_than_the_other_micro_batch_computes():
     ({"overlap_moe_expert_parallel_comm": True}, "tp=2,pp=8,vpp=1,ep=32,sp=true,mbs=1,zero=1,first_layers=10,last_layers=12", "ep_overlap_pp_needs_vpp"),
     ({"overlap_moe_expert_parallel_comm": True}, PLAN + ",recompute=full",
      "ep_overlap_recompute"),
+    # token_dispatcher.py MoEFlexTokenDispatcher: "Flex token dispatcher requires TPxEP > 1"
+    ({"moe_token_dispatcher_type": "flex"}, PLAN.replace("ep=32", "ep=1"), "flex_needs_ep"),
 ])
 def test_megatron_refusals_are_plan_rules(fw, plan, field):
     problem = api.build_problem(**JOB, framework=fw)
@@ -119,6 +121,8 @@ def test_megatron_refusals_are_plan_rules(fw, plan, field):
      "overlap_moe_expert_parallel_comm"),
     ({"overlap_moe_expert_parallel_comm": True}, {"precision": "fp32"}, "overlap_moe_expert_parallel_comm"),
     ({"overlap_moe_expert_parallel_comm": True, "framework": "deepspeed"}, {}, "overlap_moe_expert_parallel_comm"),
+    # transformer_config.py: "Flex token dispatcher does not support moe_pad_expert_input_to_capacity" (DeepEP)
+    ({"moe_token_dispatcher_type": "flex", "moe_expert_capacity_factor": 1.0}, {}, "moe_expert_capacity_factor"),
 ])
 def test_megatron_refusals_of_the_job(fw, job, field):
     with pytest.raises(SpecError) as info:

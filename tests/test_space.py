@@ -20,7 +20,7 @@ from autotune.api import build_problem
 from autotune.datasets import dataset_path
 from costmodels.plan import PLAN_FIELDS, Plan, PlanBatch, modules_of_mask
 from costmodels.presets import build_cluster
-from costmodels.specs import (CudaGraphImpl, CudaGraphModule, Framework, FrameworkSpec, JobSpec, ModelSpec, Precision,
+from costmodels.specs import (CudaGraphImpl, CudaGraphModule, DispatcherType, Framework, FrameworkSpec, JobSpec, ModelSpec, Precision,
                               Recompute, SpecError)
 from search_spaces.space import (RULES, Problem, check_plan, check_rows, count_legal, domains,
                                  enumerate_legal)
@@ -46,6 +46,7 @@ def _problem(model=DENSE, job=JOB, cluster=CLUSTER16) -> Problem:
 
 # (rule, why, problem, plan that breaks the rule, the same plan fixed[, rules it must also break])
 _DS = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(framework=Framework.DEEPSPEED))
+_FLEX = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(moe_token_dispatcher_type=DispatcherType.FLEX))
 _EP_OVERLAP = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(overlap_moe_expert_parallel_comm=True))
 _OFFLOAD = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(cpu_offloading_num_layers=2))
 
@@ -142,6 +143,8 @@ _CASES = [
          cuda_graph_impl=CudaGraphImpl.TRANSFORMER_ENGINE, cuda_graph_modules=(CudaGraphModule.MLP,)))),
      Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("mlp",)),
      Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
+    ("flex_needs_ep", "the flex dispatcher on an expert group of one rank", _problem(MOE, job=_FLEX),
+     Plan(dp=16), Plan(dp=16, ep=2)),
     ("ep_overlap_needs_ep", "batch-level EP overlap without expert parallelism", _problem(MOE, job=_EP_OVERLAP),
      Plan(dp=16, ep=1), Plan(dp=16, ep=8)),
     ("ep_overlap_pp_needs_vpp", "batch-level EP overlap with a pipeline and no interleaving",
