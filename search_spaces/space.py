@@ -18,8 +18,8 @@ import numpy as np
 from costmodels.plan import (DEFAULT_RECOMPUTE_MODULES, PLAN_FIELDS, RECOMPUTE_MODULES, Plan, PlanBatch, expand_layout,
                              module_bit,
                              modules_mask, modules_of_mask, parse_layout, stage_layers)
-from costmodels.specs import (ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, Framework, JobSpec, ModelSpec,
-                              Recompute, SpecError)
+from costmodels.specs import (ClusterSpec, CudaGraphImpl, CudaGraphModule, DispatcherType, Fp8Recipe, Framework, JobSpec,
+                              ModelSpec, Recompute, SpecError)
 
 POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 VPP_CHOICES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
@@ -364,6 +364,14 @@ RULES: tuple[Rule, ...] = (
                        if _v(a, "recompute") == _SELECTIVE else
                        f"recompute_layers={_v(a,'recompute_layers')} with pp={_v(a,'pp')} and --framework deepspeed: "
                        "DeepSpeed's pipeline has no block recompute (GPTModelPipe); use recompute_layers=0")),
+    # transformer_config.py (core_v0.14-v0.18): "Delayed scaling does not support moe_act and layernorm recompute for
+    # fp8" (Transformer Engine's delayed scaling keeps amax histories a replayed forward would update twice)
+    Rule("fp8_delayed_recompute", lambda a, p: (p.job.fp8_recipe is not Fp8Recipe.DELAYED)
+         | (p.job.framework.framework is not Framework.MEGATRON) | (a["recompute"] != _SELECTIVE)
+         | ((a["recompute_modules"] & modules_mask(("layernorm", "moe_act"))) == 0),
+         lambda a, p: f"recompute_modules {'+'.join(modules_of_mask(_v(a, 'recompute_modules')))} with fp8 delayed "
+                      "scaling: Megatron-Core refuses layernorm and moe_act recompute under it; drop them, or use "
+                      "--fp8-recipe tensorwise / mxfp8"),
     Rule("sp_needs_tp", lambda a, p: (a["sp"] == 0) | (a["tp"] > 1),
          lambda a, p: "sp=true needs tp > 1"),
     Rule("moe_tp_needs_sp", lambda a, p: (not p.model.is_moe) | (a["tp"] == 1) | (a["sp"] == 1),

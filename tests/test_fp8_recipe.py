@@ -211,3 +211,22 @@ def test_a_bridge_row_keeps_fp8_weights_as_its_recipes_preset_does(row_id, gathe
     rows = [r for r in load_dataset("public") if r["id"] == row_id]
     assert rows, "the bundled row moved"
     assert case_from_row(rows[0]).problem.job.framework.fp8_param_gather is gather
+
+
+@pytest.mark.parametrize("recipe,precision,framework,refused", [
+    ("delayed", "fp8", "megatron", True),         # transformer_config.py, core_v0.14-v0.18
+    ("tensorwise", "fp8", "megatron", False), ("blockwise", "fp8", "megatron", False),
+    ("delayed", "bf16", "megatron", False),       # no fp8, no amax histories
+])
+def test_delayed_scaling_refuses_layernorm_and_moe_act_recompute(recipe, precision, framework, refused):
+    """Megatron-Core: "Delayed scaling does not support moe_act and layernorm recompute for fp8"; the search keeps
+    to it and a plan naming them is refused naming the rule."""
+    problem = _problem(recipe=recipe, precision=precision, model="qwen3-30b-a3b", gpus=16)
+    text = "tp=1,pp=1,dp=16,ep=8,mbs=1,zero=1,recompute=selective,recompute_modules=core_attn+layernorm+moe_act"
+    if refused:
+        with pytest.raises(SpecError, match="fp8_delayed_recompute"):
+            api.plan_from_text(text, problem)
+        top = api.search(problem, top_k=30).top
+        assert top and all(not {"layernorm", "moe_act"} & set(r["plan"]["recompute_modules"] or ()) for r in top)
+    else:
+        api.plan_from_text(text, problem)

@@ -43,7 +43,10 @@ CASES = [
      "tp=2,pp=4,ep=8,etp=1,vpp=4,mbs=1,recompute=selective,sp=true,zero=1"),
     (dict(model="qwen3-30b-a3b", gpu="h100", gpus=256, global_batch=512, seq_len=4096, precision="fp8"),
      "tp=1,pp=2,ep=8,mbs=2,recompute=full,zero=1,account_for_embedding=true,account_for_loss=true"),
-    (dict(model="deepseek-v3", gpu="h800", gpus=2048, global_batch=15360, seq_len=4096, precision="fp8"),
+    # DeepSeek-V3's own fp8 recipe (1x128 / 128x128 blocks): Megatron-Core refuses layernorm and moe_act recompute
+    # under delayed scaling, its default
+    (dict(model="deepseek-v3", gpu="h800", gpus=2048, global_batch=15360, seq_len=4096, precision="fp8",
+          framework={"fp8_recipe": "blockwise"}),
      "tp=1,pp=16,ep=64,mbs=1,recompute=selective,recompute_modules=core_attn+layernorm+moe_act,zero=1,"
      "layout=Et*4|(t*4|)*14tmL"),
     (dict(model="llama3-70b", gpu="h100", gpus=1024, global_batch=1024, seq_len=8192, cluster_file="two-sites"),
