@@ -165,7 +165,7 @@ class ModelSpec:
     expert_bias: bool = False
     # a learnable per-head softmax offset, the "attention sinks" (GPT-OSS: transformers' GptOssAttention.sinks;
     # Megatron-Core softmax_type="learnable", Megatron-Bridge's GPT-OSS bridge): Transformer Engine runs it on cuDNN's
-    # fused or its unfused attention, never on FlashAttention (AttentionBackend.flash_attention_2_refusal)
+    # fused or its unfused attention, never on FlashAttention (flash_attention_2_refusal)
     attention_sinks: bool = False
     # the gated MLP's activation (GLU_ACTIVATIONS) and GPT-OSS's clamp: the gate clamped to at most c, the linear half
     # to [-c, c], then act(gate) * (linear + offset) (Megatron-Core activation_func_clamp_value, glu_linear_offset;
