@@ -113,7 +113,7 @@ def load_gpu(name: str) -> GPUSpec:
 _REQUIRED = object()
 _BOOL_FIELDS = frozenset({"tied_embeddings", "gated_mlp"})
 _MOE_FIELDS = ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "num_shared_experts",
-               "shared_expert_ffn_hidden_size", "first_k_dense_layers", "moe_layer_freq")
+               "shared_expert_ffn_hidden_size", "first_k_dense_layers", "moe_layer_freq", "expert_bias")
 
 # A key table maps each ModelSpec field to (config.json key or keys, the first present wins;
 # default). A default is _REQUIRED, a value, or a function of the fields read so far. A key of ()
@@ -253,7 +253,12 @@ _FAMILIES: dict[str, _Family] = {
     "qwen3_moe": _Family(_QWEN_MOE, moe_layer=_qwen_moe_layer),
     "deepseek_v2": _Family(_DEEPSEEK, moe_layer=_deepseek_moe_layer),
     "deepseek_v3": _Family(_DEEPSEEK, moe_layer=_deepseek_moe_layer),
-    "gpt_oss": _Family(_GPT_OSS, sliding_layer=_alternate_sliding_layer),
+    # GptOssConfig: experts with biases (GptOssExperts' gate_up_proj_bias, down_proj_bias; the Bridge provider's
+    # add_bias_linear), attention sinks (GptOssAttention.sinks, a learnable logit per head: Megatron-Core's
+    # softmax_type="learnable") and a quick GeGLU, (up + 1) * gate * sigmoid(1.702 gate), clamped at swiglu_limit
+    "gpt_oss": _Family(_GPT_OSS, fixed={"expert_bias": True, "attention_sinks": True, "glu_activation": "quick_gelu",
+                                        "glu_linear_offset": 1.0},
+                       sliding_layer=_alternate_sliding_layer),
 }
 
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
@@ -333,19 +338,11 @@ def model_from_hf_config(cfg: dict, name: str, *, source: str = "") -> ModelSpec
     if fields_.get("num_experts", 0) == 0:               # dense: drop MoE fields a config may carry
         fields_ = {k: v for k, v in fields_.items() if k not in _MOE_FIELDS}
     fields_["hidden_dropout"] = _dropout(cfg, model_type, where)
-    # GPT-OSS's experts have biases (transformers' GptOssExperts: gate_up_proj_bias, down_proj_bias; Megatron-Bridge's
-    # GPT-OSS provider: add_bias_linear=True); no other family's config carries routed-expert biases
-    if model_type == "gpt_oss" and fields_.get("num_experts", 0) > 0:
-        fields_["expert_bias"] = True
-    # and its attention has sinks, a learnable logit per head in every softmax (GptOssAttention.sinks; the bridge maps
-    # them to core_attention.softmax_offset with softmax_type="learnable")
-    if model_type == "gpt_oss":
-        fields_["attention_sinks"] = True
-        # and a clamped quick GeGLU (GptOssExperts: alpha 1.702, (up + 1) * glu, limit swiglu_limit, 7.0 by default)
+    if model_type == "gpt_oss":          # its GLU's clamp (GptOssConfig.swiglu_limit, 7.0 by default)
         limit = cfg.get("swiglu_limit", 7.0)
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= limit < 1e6:
             raise SpecError("model", f"{where}: 'swiglu_limit' must be a number >= 0, got {limit!r}")
-        fields_.update(glu_activation="quick_gelu", glu_linear_offset=1.0, activation_clamp=float(limit))
+        fields_["activation_clamp"] = float(limit)
     return ModelSpec(name=name, source=source, **fields_)
 
 

@@ -906,8 +906,8 @@ class FrameworkSpec:
         if CudaGraphModule.MAMBA in mods:
             raise SpecError("cuda_graph_modules", f"mamba captures Mamba layers and {model.name} has none")
 
-    def check_attention_backend_for(self, model: "ModelSpec", gpu_family: str) -> None:
-        """A backend that runs FlashAttention-2 on a model it cannot take: Megatron-Core's flash backend turns
+    def check_attention_backend_for(self, model: "ModelSpec") -> None:
+        """A backend that forces FlashAttention-2 on a model it cannot take: Megatron-Core's flash backend turns
         Transformer Engine's other backends off (NVTE_FUSED_ATTN=0, NVTE_UNFUSED_ATTN=0), so TE finds none and
         raises; Megatron-DeepSpeed's --use-flash-attn-v2 calls flash-attn itself. Under auto Transformer Engine
         falls back to cuDNN's fused attention where FlashAttention-2 cannot run (Ampere; the same modelled rate)."""
@@ -916,9 +916,7 @@ class FrameworkSpec:
                             f"offset), which {model.name} has; use --framework megatron")
         forced = (self.attention_backend is AttentionBackend.FLASH and self.framework is Framework.MEGATRON) or (
             self.framework is Framework.DEEPSPEED and self.attention_backend.is_fused)
-        if not forced or self.attention_backend.kernel(self.framework, gpu_family) is not AttentionKernel.FLASH_ATTN_2:
-            return
-        why = flash_attention_2_refusal(model)
+        why = forced and flash_attention_2_refusal(model)
         if why:
             fix = ("use --attention-backend unfused, or --framework megatron with auto" if self.framework is
                    Framework.DEEPSPEED else "use --attention-backend auto or fused (cuDNN)")

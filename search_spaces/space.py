@@ -38,7 +38,7 @@ class Problem:
         self.job.framework.check_mtp_for(self.model)           # MTP where the framework runs it
         self.job.framework.check_cpu_offloading_for(self.model)  # fewer offloaded layers than the model has
         self.job.check_fp8_recipe_for(self.cluster.gpu)          # an fp8 recipe the GPU runs
-        self.job.framework.check_attention_backend_for(self.model, self.cluster.gpu.family)   # a kernel that runs it
+        self.job.framework.check_attention_backend_for(self.model)   # a kernel that runs the model's attention
         self.job.check_fp8_attention_for(self.model, self.cluster.gpu)  # fp8 attention of the model's softmax
 
 
