@@ -88,12 +88,12 @@ def fp8_recipe_note(problem) -> str:
 
 def fp8_attention_note(problem) -> str:
     """A note when the attention core runs in fp8: what the cost model charges, and that no export sets it."""
-    from costmodels.compute import FP8_ATTENTION_SPEEDUP
+    from costmodels.compute import FP8_MMA_X
     if not problem.job.fp8_attention:
         return ""
-    return (f"Note: the attention core runs in fp8 (Transformer Engine on cuDNN), costed at "
-            f"{FP8_ATTENTION_SPEEDUP:g}x its bf16 rate (a Hopper figure; none is published for Blackwell), plus the "
-            "casts of Q, K, V, O and dO; no exported command can set it (see export).")
+    return (f"Note: the attention core runs in fp8 (Transformer Engine on cuDNN), costed with its MMAs at "
+            f"{FP8_MMA_X:g}x the bf16 rate and its softmax exponentials unchanged (1.5x a bf16 forward on H100 at head "
+            "dim 128), plus the casts of Q, K, V, O and dO; no exported command can set it (see export).")
 
 
 def attention_kernel_note(problem) -> str:

@@ -117,11 +117,23 @@ EP_COLLECTIVES_PER_MOE_LAYER = 2.0
 HOST_BWD_PER_FWD = 1.0
 #: activations move in bf16
 ACT_BYTES = 2.0
-#: fused attention runs below its head-dim-128 rate with smaller heads: forward on H100 at 4k tokens,
-#: head dim 64 vs 128, FlashAttention-3 476 vs 638 TFLOP/s (0.75x), cuDNN 408 vs 609 (0.67x)
-#: [FA3]; FlashAttention-2 on A100 ~0.85x [FA, Fig. 4]. Modeled as d/(d + 64) relative to d = 128
-#: (0.75x at 64), never above the head-dim-128 rate
-ATTN_HEAD_DIM_HALF = 64.0
+#: Fused attention's work outside the tensor cores, which did not grow with them: "from the Hopper H100 to the
+#: Blackwell B200, BF16 tensor core throughput increases from 1 to 2.25 PFLOPs, while both the SFU count and shared
+#: memory bandwidth remains unchanged"; B200's forward is bound by the softmax's exponentials, its backward by
+#: shared-memory traffic [FA4]. Exponentials per SM per clock of the special-function units (MUFU.EX2): 16 on
+#: compute capability 8.0-10.x [CUDA C++ Programming Guide, arithmetic instruction throughput] (AMD CDNA3: a quarter
+#: of 64 lanes). H100 SXM: 132 x 16 x 1.98 GHz = 4.2e12/s beside 989 TFLOP/s of bf16 MMA ("989 TFLOPS of FP16
+#: matmul but only 3.9 TFLOPS of special functions" [FA3 sec. 3.1])
+EXP_PER_SM_CLOCK = 16.0
+#: shared-memory bytes per SM per clock: 128 on Ampere, Hopper and Blackwell [FA4]
+SMEM_BYTES_PER_SM_CLOCK = 128.0
+#: the fused backward's tile of scores: 64 query rows x 128 key columns (FlashAttention-2/3's backward kernels for
+#: head dims 64-128)
+FLASH_BWD_TILE_Q, FLASH_BWD_TILE_K = 64.0, 128.0
+#: fp8 attention's MMAs run at twice bf16's rate (every Hopper / Blackwell datasheet: dense FP8 = 2 x BF16); its
+#: exponentials do not, so on H100 at head dim 128 the forward gains (0.52 + 0.24) / (0.26 + 0.24) = 1.5x (ps per
+#: score), cuDNN 9's and FlashAttention-3's published fp8 over bf16 forward (1.2 vs ~0.74-0.8 PFLOP/s [cuDNN9, FA3])
+FP8_MMA_X = 2.0
 #: RoPE as Megatron-Core runs it unfused (rope_utils._apply_rotary_pos_emb_bshd, per query or key tensor
 #: of N elements, bf16): forward cos, sin, two mscale products and two casts of the small frequency table,
 #: then t*cos (read N, write N), the rotate-half's neg (N/2, N/2) and cat (N, N), *sin (N, N), the add
@@ -149,18 +161,6 @@ def attention_kernel_rate(kernel: AttentionKernel, gpu_family: str) -> float:
     return 1.0
 
 
-#: fused attention in fp8 against bf16, same kernel family: cuDNN 9's SDPA runs up to 2x (bf16) and 3x (fp8)
-#: PyTorch's eager attention on H100 / H200, 1.2 PFLOP/s in fp8 [cuDNN9 blog]; FlashAttention-3's forward ~1.2
-#: PFLOP/s fp8 against ~0.74 bf16 on H100 (1.6x) [FA3]. The tensor cores double, the softmax's exponentials
-#: do not; no Blackwell figure is published, so the Hopper ratio stands for both
-FP8_ATTENTION_SPEEDUP = 1.5
-#: share of an fp8 fused attention forward spent waiting on the softmax's exponentials (MUFU.EX2 on the
-#: special-function units) on Blackwell: doubling their rate (Blackwell Ultra, GB300) ran DeepSeek-V3's fp8
-#: attention forward 1.35x faster than GB200 [BWU], so t = t_mma + t_exp with t_exp halved:
-#: 1 / (1 - x/2) = 1.35, x = 2 (1 - 1/1.35). A bf16 kernel does the same exponentials in
-#: FP8_ATTENTION_SPEEDUP x the time, so its share is x / FP8_ATTENTION_SPEEDUP; the backward recomputes
-#: the same exponentials (P = exp(S - LSE) [FA]) and saves the same time
-ATTN_EXP_SHARE_FP8 = 2.0 * (1.0 - 1.0 / 1.35)
 #: elements per token Transformer Engine's fp8 attention casts to fp8, relative to the layer's: forward Q, K, V;
 #: backward O and dO (DotProductAttention with fp8_dpa and not fp8_mha), each at lp_cast_bytes; the layer's
 #: backward elementwise work is costed as twice its forward, so the charge sits in the forward as a third
@@ -343,32 +343,45 @@ def fused_attention_keys_per_query(S: Shapes, M: dict, J: dict, e: EfficiencyPar
     return full + M["window_layer_frac"] * (jnp.minimum(in_window, full) - full)
 
 
+def flash_bwd_smem_bytes_per_score(head_dim):
+    """Shared-memory bytes a fused backward reads per score: its five GEMMs (S = QK^T, dP = dO V^T, dV += P^T dO,
+    dK += dS^T Q, dQ += dS K [FA2 Alg. 2]) take their bf16 operands from shared memory: per tile of q query rows x k key columns,
+    Q, dO, dO, Q (4 q x d elements), K, V, K (3 k x d) and P, dS, dS (3 q x k), i.e.
+    2 d (4 / k + 3 / q) + 6 bytes per score (26 at head dim 128, 16 at 64)."""
+    return 2.0 * head_dim * (4.0 / FLASH_BWD_TILE_K + 3.0 / FLASH_BWD_TILE_Q) + 6.0
+
+
 def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
-    """Causal attention, forward and backward: fused kernels compute fused_attention_keys_per_query keys
-    per query on bf16 tensor cores [FA], backward attn_bwd_ratio x the forward. Unfused attention computes
-    the whole s x s score matrix (a sliding window only masks it) with batched GEMMs and memory-bound
-    scale/mask/softmax/dropout kernels [K22 sec. 4.1]: backward two GEMMs per forward GEMM and
-    UNFUSED_SOFTMAX_BWD_PER_FWD of the forward's bytes (Megatron's PyTorch softmax where its fused kernel
-    does not take the shape: SOFTMAX_FALLBACK_*). A fused kernel's exponentials (ATTN_EXP_SHARE_FP8 of an
-    fp8 forward) run at the GPU's exp_throughput_x: Blackwell Ultra's doubled rate saves half of them,
-    forward and backward alike."""
+    """Causal attention, forward and backward. Fused kernels compute fused_attention_keys_per_query scores per
+    query: the tensor cores' MMAs (2 (d_qk + d_v) FLOPs per score forward, attn_bwd_ratio x that backward, at the
+    bf16 peak or fp8's twice it), the softmax's exponential on the special-function units (one per score, forward
+    and again in the backward's recomputation of P [FA2]; EXP_PER_SM_CLOCK per SM cycle, exp_x on Blackwell
+    Ultra), and the backward's shared-memory reads (flash_bwd_smem_bytes_per_score at SMEM_BYTES_PER_SM_CLOCK),
+    added, at attn_eff_max of that bound. The two SM-side terms scale with SMs x clock, not the tensor peak: at
+    head dim 128 on H100 the exponentials add 46 % to the forward's MMA time, on B200 94 % [FA4]; smaller heads
+    pay more per FLOP (head dim 64 on H100: 0.75x the forward rate, 0.86x the backward's, as measured on the lent
+    H100 / H200: tests/test_attention_head_dim.py). Unfused attention computes the whole s x s score matrix (a
+    sliding window only masks it) with batched GEMMs and memory-bound scale/mask/softmax/dropout kernels
+    [K22 sec. 4.1]: backward two GEMMs per forward GEMM and UNFUSED_SOFTMAX_BWD_PER_FWD of the forward's bytes
+    (Megatron's PyTorch softmax where its fused kernel does not take the shape: SOFTMAX_FALLBACK_*)."""
     s, T = J["seq_len"], S.tokens
     heads_local = M["heads"] / S.tp
-    flops = 2.0 * T * (s / 2.0) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
-    head_dim = 0.5 * (M["qk_head_dim"] + M["v_head_dim"])
-    head_eff = jnp.minimum(saturate(head_dim, ATTN_HEAD_DIM_HALF) / saturate(128.0, ATTN_HEAD_DIM_HALF), 1.0)
-    fused_flops = 2.0 * T * fused_attention_keys_per_query(S, M, J, e) * heads_local * (M["qk_head_dim"] + M["v_head_dim"])
-    fp8_speedup = jnp.where(J["fp8_attention"] > 0, FP8_ATTENTION_SPEEDUP, 1.0)
-    t_fused = fused_flops / (H["peak_bf16"] * e.attn_eff_max * head_eff * fp8_speedup * J["attn_rate_x"])
+    d_sum = M["qk_head_dim"] + M["v_head_dim"]
+    flops = 2.0 * T * (s / 2.0) * heads_local * d_sum
+    scores = T * fused_attention_keys_per_query(S, M, J, e) * heads_local
+    mma_rate = H["peak_bf16"] * jnp.where(J["fp8_attention"] > 0, FP8_MMA_X, 1.0)
+    t_mma = 2.0 * scores * d_sum / mma_rate
+    t_exp = scores / (EXP_PER_SM_CLOCK * H["sm_cycles"] * H["exp_x"])
+    t_smem = scores * flash_bwd_smem_bytes_per_score(0.5 * d_sum) / (SMEM_BYTES_PER_SM_CLOCK * H["sm_cycles"])
+    rate = e.attn_eff_max * J["attn_rate_x"]
     scores_per_bw = T * s * heads_local / (H["hbm_bw"] * e.hbm_eff)
     t_bmm = 2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
     fwd_bytes = e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_FWD
     bwd_bytes = UNFUSED_SOFTMAX_BWD_PER_FWD * e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_BWD
-    exp_share = jnp.where(J["fp8_attention"] > 0, ATTN_EXP_SHARE_FP8, ATTN_EXP_SHARE_FP8 / FP8_ATTENTION_SPEEDUP)
-    t_exp_saved = t_fused * exp_share * (1.0 - 1.0 / H["exp_x"])
     fused = J["flash"] > 0
-    return (jnp.where(fused, t_fused - t_exp_saved, t_bmm + scores_per_bw * fwd_bytes),
-            jnp.where(fused, e.attn_bwd_ratio * t_fused - t_exp_saved, 2.0 * t_bmm + scores_per_bw * bwd_bytes))
+    return (jnp.where(fused, (t_mma + t_exp) / rate, t_bmm + scores_per_bw * fwd_bytes),
+            jnp.where(fused, (e.attn_bwd_ratio * t_mma + t_exp + t_smem) / rate,
+                      2.0 * t_bmm + scores_per_bw * bwd_bytes))
 
 
 def dense_mlp_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
@@ -388,8 +401,8 @@ def moe_mlp_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     """[GS] The EP rank holds E/ep experts, each sees m_e tokens (the busiest rank's share); ETP
     shards the expert FFN. fc1 and fc2 are each one grouped GEMM over the local experts (Transformer Engine's
     GroupedLinear, Megatron-Core --moe-grouped-gemm, the recipes' setting): the measured kernels time one
-    batched GEMM over the experts within 0.87-0.99 from 128 to 8192 tokens per expert on an H100 and an H200,
-    where timing each expert's GEMMs alone was 1.17-1.28x slow below 2048 (tests/test_gpu_measured.py).
+    batched GEMM over the experts within 0.84-0.99 from 128 to 8192 tokens per expert on an H100 and an H200,
+    where timing each expert's GEMMs alone was 1.14-1.22x slow below 2048 (tests/test_gpu_measured.py).
     Shared experts run on all T tokens, TP-sharded; the router is a [T/tp x h] @ [h x E] GEMM."""
     gemm, T, tp, h, g = _gemm(S, H, J, e), S.tokens, S.tp, M["hidden"], M["gated"]
     sf = M["shared_ffn"]

@@ -84,6 +84,7 @@ def encode_cluster(c: ClusterSpec) -> dict:
         hbm_bytes=c.gpu.hbm_bytes, hbm_bw=c.gpu.hbm_bandwidth_bytes_per_s,
         peak_bf16=c.gpu.peak_flops_bf16,
         matmul_frac_bf16=c.gpu.matmul_frac_bf16,   # MAMF / peak: unfused attention's batched GEMMs
+        sm_cycles=c.gpu.sm_cycles_per_s,            # SMs x clock: fused attention's exponentials and shared memory
         exp_x=c.gpu.exp_throughput_x,               # softmax exponential rate (2: Blackwell Ultra)
         host_bw=c.gpu.host_link_bw_bytes_per_s,     # to host memory, per direction (CPU offloading's copies)
     )

@@ -72,6 +72,9 @@ def _gpu_from_entry(name: str, entry: dict) -> GPUSpec:
     for prec in ("bf16", "fp8", "fp4"):                 # measured max-achievable matmul fractions
         if entry.get(f"mamf_{prec}_frac") is not None:
             si[f"matmul_frac_{prec}"] = float(entry[f"mamf_{prec}_frac"])
+    if entry.get("sms") is not None:                   # SMs (AMD: CUs) and their boost clock
+        si["sm_count"] = int(entry["sms"])
+        si["sm_clock_hz"] = float(round(entry["sm_clock_mhz"] * 1e6))
     if entry.get("exp_throughput_x") is not None:      # softmax exponential rate (2: Blackwell Ultra)
         si["exp_throughput_x"] = float(entry["exp_throughput_x"])
     if entry.get("host_gbps") is not None:             # the link to host memory (CPU offloading's copies)

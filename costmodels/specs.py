@@ -316,6 +316,11 @@ class ModelSpec:
         return {"total": total, "active": active, "experts": experts, "embedding": emb, "mtp": self.mtp_params()}
 
 
+#: H100 SXM's SM cycles per second per dense bf16 FLOP/s: 132 SMs x 1.98 GHz / 989.4 TFLOP/s [H100 whitepaper]; what a
+#: GPU given without its SM count and clock is assumed to have
+H100_SM_CYCLES_PER_BF16_FLOP = 132 * 1.98e9 / 989.4e12
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPUSpec:
     """One accelerator and its usual node. Figures from the vendor datasheets (see presets)."""
@@ -337,9 +342,14 @@ class GPUSpec:
     matmul_frac_bf16: float = 0.80
     matmul_frac_fp8: float = 0.80
     matmul_frac_fp4: float = 0.80
-    # Rate of the special-function units' exponential (MUFU.EX2, the softmax's exp) against the one the
-    # shared fused-attention efficiency stands for: 2 on Blackwell Ultra (B300, GB300), which doubles
-    # Blackwell's at the same tensor-core peaks; 1 elsewhere (attention_core_fwd_bwd_s)
+    # Streaming multiprocessors (AMD: compute units) and their boost clock: the rate of the work fused attention
+    # does outside the tensor cores, the softmax's exponentials (16 per SM per clock) and the backward's
+    # shared-memory reads (128 B per SM per clock), which did not grow with the tensor cores from H100 to B200
+    # (compute.attention_core_fwd_bwd_s). 0 = not given: the GPU has H100's SM cycles per bf16 FLOP
+    sm_count: int = 0
+    sm_clock_hz: float = 0.0
+    # The special-function units' exponential (MUFU.EX2) per SM per clock against the 16 of Ampere, Hopper and
+    # Blackwell: 2 on Blackwell Ultra (B300, GB300), which doubles it at the same tensor-core peaks; 1 elsewhere
     exp_throughput_x: float = 1.0
     # the GPU's link to host memory, per direction (what --cpu-offloading's copies run over): PCIe, or NVLink-C2C
     # on Grace superchips; the default is PCIe Gen4 x16's 32 GB/s
@@ -360,6 +370,13 @@ class GPUSpec:
                 raise SpecError(f, f"must be a fraction of the peak in [0.1, 1], got {v!r}")
         if not isinstance(self.exp_throughput_x, (int, float)) or not 0.25 <= self.exp_throughput_x <= 8.0:
             raise SpecError("exp_throughput_x", f"must be a rate ratio in [0.25, 8], got {self.exp_throughput_x!r}")
+        if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or not 0 <= self.sm_count <= 4096:
+            raise SpecError("sm_count", f"must be a whole number of SMs in [0, 4096] (0: not given), got {self.sm_count!r}")
+        if not isinstance(self.sm_clock_hz, (int, float)) or isinstance(self.sm_clock_hz, bool) \
+                or not 0.0 <= self.sm_clock_hz <= 1e10:
+            raise SpecError("sm_clock_hz", f"must be a clock in [0, 10] GHz (0: not given), got {self.sm_clock_hz!r}")
+        if (self.sm_count > 0) != (self.sm_clock_hz > 0):
+            raise SpecError("sm_count", "give the SM count and the SM clock together (or neither)")
 
     def matmul_frac(self, precision: Precision) -> float:
         """MAMF / dense peak for GEMMs in this precision (bf16, fp16 and TF32 take the bf16 measurement)."""
@@ -368,6 +385,13 @@ class GPUSpec:
         if precision is Precision.FP4:
             return self.matmul_frac_fp4
         return self.matmul_frac_bf16
+
+    @property
+    def sm_cycles_per_s(self) -> float:
+        """SMs x clock (cycles per second over the whole GPU); when not given, H100's per bf16 FLOP."""
+        if self.sm_count > 0:
+            return float(self.sm_count) * float(self.sm_clock_hz)
+        return self.peak_flops_bf16 * H100_SM_CYCLES_PER_BF16_FLOP
 
     @property
     def p2p_bw_bytes_per_s(self) -> float:
@@ -757,7 +781,7 @@ class FrameworkSpec:
     fp8_recipe: Fp8Recipe = Fp8Recipe.DELAYED
     # TransformerConfig.fp8_dot_product_attention (default off; Megatron-LM's pretrain scripts have no flag for it,
     # Megatron-Bridge sets mixed_precision.fp8_dot_product_attention): Transformer Engine runs the attention
-    # core in fp8 on cuDNN's fused kernel (Q, K, V, dO quantized; compute.FP8_ATTENTION_SPEEDUP)
+    # core in fp8 on cuDNN's fused kernel (Q, K, V, dO quantized; compute.FP8_MMA_X)
     fp8_dot_product_attention: bool = False
     # Megatron-Bridge's PEFT LoRA(dim=N) (peft/lora.py; NeMo 2's llm.peft.LoRA, the same default dim 32): low-rank
     # adapters of rank N on linear_qkv, linear_proj, linear_fc1 and linear_fc2 (every attention and MLP linear,

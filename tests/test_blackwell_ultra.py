@@ -36,7 +36,8 @@ def _shapes(T, tp=1.0):
 
 def _attention(exp_x, *, fp8=1.0, flash=1.0, seq=4096, heads=128, qk=192, v=128):
     M = {"heads": heads, "qk_head_dim": qk, "v_head_dim": v, "window": 0, "window_layer_frac": 0.0}
-    H = {"peak_bf16": 2.5e15, "matmul_frac_bf16": 0.776, "hbm_bw": 8e12, "exp_x": exp_x}
+    H = {"peak_bf16": 2.5e15, "matmul_frac_bf16": 0.776, "hbm_bw": 8e12, "exp_x": exp_x,
+         "sm_cycles": GPU_PRESETS["gb200"].sm_cycles_per_s}
     J = {"seq_len": float(seq), "flash": flash, "fp8_attention": fp8, "packed_tokens": 0.0, "attn_rate_x": 1.0}
     fwd, bwd = compute.attention_core_fwd_bwd_s(_shapes(float(seq)), M, H, J, EfficiencyParams())
     return float(fwd), float(bwd)
@@ -54,10 +55,14 @@ def test_blackwell_ultra_keeps_blackwells_tensor_core_peaks():
         assert (u.peak_flops_bf16, u.peak_flops_fp8) == (b.peak_flops_bf16, b.peak_flops_fp8)
 
 
-def test_gb300_runs_deepseek_fp8_attention_forward_at_nvidias_measured_speedup():
+def test_gb300_runs_deepseek_fp8_attention_forward_near_nvidias_measured_speedup():
+    """The MMAs (640 fp8 FLOPs per score at 5 PFLOP/s) and the exponentials (16 per SM per clock on GB200's SM
+    cycles, twice that on GB300's equal ones) add: 1.43x against NVIDIA's measured 1.35x (the kernel hides a
+    little of the exponentials' time that the sum does not)."""
     gb200, _ = _attention(1.0)
     gb300, _ = _attention(2.0)
-    assert gb200 / gb300 == pytest.approx(GB300_OVER_GB200_FP8_ATTENTION_FWD, rel=1e-4)
+    assert gb200 / gb300 == pytest.approx(GB300_OVER_GB200_FP8_ATTENTION_FWD, rel=0.07)
+    assert GPU_PRESETS["gb300"].sm_cycles_per_s == pytest.approx(GPU_PRESETS["gb200"].sm_cycles_per_s, rel=1e-3)
 
 
 @settings(max_examples=25, deadline=None)
@@ -72,7 +77,7 @@ def test_backward_saves_the_forwards_exponential_time(exp_x, fp8, seq, qk):
 
 
 def test_bf16_attention_gains_less_than_fp8():
-    """bf16 runs the same exponentials under tensor-core work 1.5x as long, so its share of them is smaller."""
+    """bf16 runs the same exponentials under tensor-core work twice as long, so its share of them is smaller."""
     fp8 = _attention(1.0, fp8=1.0)[0] / _attention(2.0, fp8=1.0)[0]
     bf16 = _attention(1.0, fp8=0.0)[0] / _attention(2.0, fp8=0.0)[0]
     assert 1.0 < bf16 < fp8
@@ -122,3 +127,44 @@ def test_gpus_command_lists_the_exponential_rate():
     assert rows["gb300"]["exp_throughput_x"] == 2.0 and rows["gb200"]["exp_throughput_x"] == 1.0
     table = CliRunner().invoke(app, ["gpus"], env={"COLUMNS": "200"})
     assert table.exit_code == 0 and "exp" in table.stdout
+
+
+@pytest.mark.parametrize("name, sms, mhz", [("a100-80gb", 108, 1410), ("h100", 132, 1980), ("h200", 132, 1980),
+                                            ("b200", 148, 1980), ("gb200", 148, 2200), ("b300", 160, 1831),
+                                            ("gb300", 160, 2035), ("mi300x", 304, 2100)])
+def test_presets_carry_their_sms_and_clock(name, sms, mhz):
+    g = GPU_PRESETS[name]
+    assert (g.sm_count, g.sm_clock_hz) == (sms, mhz * 1e6)
+
+
+def test_blackwell_ultra_keeps_its_base_chips_sm_cycles():
+    """Equal dense tensor-core peaks from 160 SMs instead of 148: the same SM cycles per second."""
+    for ultra, base in (("b300", "b200"), ("gb300", "gb200")):
+        assert GPU_PRESETS[ultra].sm_cycles_per_s == pytest.approx(GPU_PRESETS[base].sm_cycles_per_s, rel=1e-3)
+
+
+def test_a_gpu_without_sms_has_h100s_balance():
+    g = GPUSpec(name="x", peak_flops_bf16=2 * 989.4e12, hbm_bytes=80e9, hbm_bandwidth_bytes_per_s=3e12,
+                intra_node_bw_bytes_per_s=450e9, inter_node_bw_bytes_per_s=50e9)
+    assert g.sm_cycles_per_s == pytest.approx(2 * GPU_PRESETS["h100"].sm_cycles_per_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("fields, named", [({"sm_count": -1, "sm_clock_hz": 1e9}, "sm_count"),
+                                           ({"sm_count": 1.5, "sm_clock_hz": 1e9}, "sm_count"),
+                                           ({"sm_count": True, "sm_clock_hz": 1e9}, "sm_count"),
+                                           ({"sm_count": 10 ** 6, "sm_clock_hz": 1e9}, "sm_count"),
+                                           ({"sm_count": 132, "sm_clock_hz": float("nan")}, "sm_clock_hz"),
+                                           ({"sm_count": 132, "sm_clock_hz": -1.0}, "sm_clock_hz"),
+                                           ({"sm_count": 132, "sm_clock_hz": "1.98e9"}, "sm_clock_hz"),
+                                           ({"sm_count": 132}, "sm_count"), ({"sm_clock_hz": 1.98e9}, "sm_count")])
+def test_bad_sm_figures_are_named(fields, named):
+    with pytest.raises(SpecError) as err:
+        GPUSpec(name="x", peak_flops_bf16=1e15, hbm_bytes=80e9, hbm_bandwidth_bytes_per_s=3e12,
+                intra_node_bw_bytes_per_s=450e9, inter_node_bw_bytes_per_s=50e9, **fields)
+    assert err.value.field == named
+
+
+def test_gpus_command_lists_sms():
+    result = CliRunner().invoke(app, ["gpus", "--json"])
+    rows = {g["name"]: g for g in json.loads(result.stdout)["gpus"]}
+    assert (rows["b200"]["sms"], rows["b200"]["sm_clock_mhz"]) == (148, 1980.0)

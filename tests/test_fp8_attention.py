@@ -29,9 +29,10 @@ from autotune.validate import case_from_row
 from cli.main import app
 from costmodels import compute
 from costmodels.params import EfficiencyParams
+from costmodels.presets import GPU_PRESETS
 from costmodels.specs import SpecError
 
-CUDNN_FP8_OVER_BF16 = 3.0 / 2.0      # cuDNN 9 blog: 3x (fp8) and 2x (bf16) PyTorch eager attention
+CUDNN_FP8_OVER_BF16 = 3.0 / 2.0      # cuDNN 9 blog: 3x (fp8) and 2x (bf16) PyTorch eager attention, on H100
 
 #: the six Megatron-Bridge 26.08 GB200 / GB300 rows whose recipes set mixed_precision.fp8_dot_product_attention
 FP8_ATTENTION_ROWS = {f"mbridge-cur-26.08-{m}-DGX-{g}-{n}" for m, g, n in [
@@ -51,20 +52,31 @@ def _shapes(T, tp):
                            routed_tokens=np.float32(0.0), softmax_fallback=np.float32(0.0))
 
 
-@settings(max_examples=25, deadline=None)
-@given(seq=st.sampled_from([1024, 4096, 32768]), heads=st.sampled_from([8, 32, 64]),
-       head_dim=st.sampled_from([64, 128]), tp=st.sampled_from([1, 2, 8]), window=st.sampled_from([0, 128]))
-def test_fp8_attention_runs_the_fused_kernel_at_cudnns_fp8_rate(seq, heads, head_dim, tp, window):
-    T = float(seq)
+def _core(fp8, *, seq=16384.0, heads=32, head_dim=128, tp=1.0, window=0, gpu="h100"):
+    g = GPU_PRESETS[gpu]
     M = {"heads": heads, "qk_head_dim": head_dim, "v_head_dim": head_dim, "window": window,
          "window_layer_frac": 0.5 if window else 0.0}
-    H = {"peak_bf16": 989e12, "matmul_frac_bf16": 0.8, "hbm_bw": 3.35e12, "exp_x": 1.0}
-    J = {"seq_len": float(seq), "flash": 1.0, "fp8_attention": 0.0, "packed_tokens": 0.0, "attn_rate_x": 1.0}
-    e = EfficiencyParams()
-    bf16 = compute.attention_core_fwd_bwd_s(_shapes(T, tp), M, H, J, e)
-    fp8 = compute.attention_core_fwd_bwd_s(_shapes(T, tp), M, H, {**J, "fp8_attention": 1.0}, e)
+    H = {"peak_bf16": g.peak_flops_bf16, "matmul_frac_bf16": g.matmul_frac_bf16, "hbm_bw": g.hbm_bandwidth_bytes_per_s,
+         "exp_x": g.exp_throughput_x, "sm_cycles": g.sm_cycles_per_s}
+    J = {"seq_len": float(seq), "flash": 1.0, "fp8_attention": fp8, "packed_tokens": 0.0, "attn_rate_x": 1.0}
+    f, b = compute.attention_core_fwd_bwd_s(_shapes(float(seq), tp), M, H, J, EfficiencyParams())
+    return float(f), float(b)
+
+
+def test_fp8_attention_forward_runs_at_cudnns_fp8_rate_on_h100():
+    """fp8 doubles the MMAs' rate, not the exponentials': on H100 at head dim 128 the forward gains 1.5x."""
+    assert _core(0.0)[0] / _core(1.0)[0] == pytest.approx(CUDNN_FP8_OVER_BF16, abs=0.05)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seq=st.sampled_from([1024, 4096, 32768]), heads=st.sampled_from([8, 32, 64]),
+       head_dim=st.sampled_from([64, 128]), tp=st.sampled_from([1, 2, 8]), window=st.sampled_from([0, 128]),
+       gpu=st.sampled_from(["h100", "b200", "gb300"]))
+def test_fp8_attention_is_faster_but_never_beyond_the_fp8_mma_rate(seq, heads, head_dim, tp, window, gpu):
+    bf16 = _core(0.0, seq=seq, heads=heads, head_dim=head_dim, tp=tp, window=window, gpu=gpu)
+    fp8 = _core(1.0, seq=seq, heads=heads, head_dim=head_dim, tp=tp, window=window, gpu=gpu)
     for b, f in zip(bf16, fp8):
-        assert float(b) / float(f) == pytest.approx(CUDNN_FP8_OVER_BF16, rel=1e-5)
+        assert 1.0 < b / f < compute.FP8_MMA_X
 
 
 def test_fp8_attention_casts_q_k_v_forward_and_o_do_backward():

@@ -109,6 +109,26 @@ FIT = {"rounds": 2, "steps": 800, "lr": 0.08, "pull": 1e-3}
 QUICK = {"rounds": 1, "steps": 300}
 
 
+def _plan_gpus(row: dict) -> int | None:
+    plan = row.get("plan") or {}
+    if any(plan.get(k) is None for k in ("tp", "pp", "dp")):
+        return None
+    return int(plan["tp"] * plan["pp"] * plan["dp"] * (plan.get("cp") or 1))
+
+
+def at_plan_gpus(rows: list) -> list:
+    """Copies of the rows whose printed GPU count disagrees with their printed plan (tp x pp x cp x dp), at the
+    plan's GPU count: the NeMo long-sequence B200 table prints 4x the GPUs its plans use in every row, while its
+    data-parallel sizes agree with its global batches (a batch of 4 at 1M tokens cannot split over the dp 16 the
+    printed count would need). Its TFLOP/s per GPU is what is compared."""
+    out = []
+    for r in rows:
+        n = _plan_gpus(r)
+        if n and n != r["hardware"]["num_gpus"]:
+            out.append({**r, "hardware": {**r["hardware"], "num_gpus": n}})
+    return out
+
+
 def tflops_only_rows() -> dict:
     """The public rows that give only a model TFLOP/s figure (usable=false: no tokens/s, so no fit ever sees
     them), compared in their source's FLOPs count (autotune.validate.measured_from_tflops): out of sample, by
@@ -125,6 +145,10 @@ def tflops_only_rows() -> dict:
             for r in runs:
                 groups.setdefault(r.get("group") or "?", []).append(r["error_pct"])
             out["by_source"] = {g: error_figures(e) for g, e in sorted(groups.items())}
+    runs = [r for r in validate_rows(at_plan_gpus(rows), EfficiencyParams(), only_usable=False)["runs"]
+            if on_tflops(r) and r.get("error_pct") is not None]
+    out["at_plan_gpus"] = {**error_figures(r["error_pct"] for r in runs),
+                           "runs": {r["id"]: round(r["error_pct"], 3) for r in runs}}
     return out
 
 
@@ -220,6 +244,10 @@ def print_tables(doc: dict) -> None:
               f"defaults {_cell(h['defaults'])} (bias {h['defaults']['bias_pct']:+.1f} %), prior {_cell(h['prior'])}")
         for src, f in (h.get("by_source") or {}).items():
             print(f"  {src}: {f['n']} runs, {_cell(f)} (bias {f['bias_pct']:+.1f} %)")
+        if (h.get("at_plan_gpus") or {}).get("n"):
+            f = h["at_plan_gpus"]
+            print(f"  rows whose printed GPU count disagrees with their plan, at the plan's count (bench_accuracy."
+                  f"at_plan_gpus; not in the figure above): {f['n']} runs, {_cell(f)} (bias {f['bias_pct']:+.1f} %)")
     print("\nin-sample: the shipped defaults were fitted on these rows. in-sample refit: the same fit as LOSO/LOGO "
           "(from the prior) on every run, predicting its own training rows. LOSO / LOGO: each run predicted by a "
           "fit that never saw its source / GPU generation.")

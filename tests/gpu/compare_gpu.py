@@ -36,7 +36,9 @@ import numpy as np
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 
-from costmodels.compute import ATTN_HEAD_DIM_HALF, PERMUTE_BYTES_PER_H, gemm_s, saturate  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from costmodels.compute import PERMUTE_BYTES_PER_H, attention_core_fwd_bwd_s, gemm_s, saturate  # noqa: E402
 from costmodels.params import LITERATURE_PRIOR, EfficiencyParams  # noqa: E402
 from costmodels.presets import GPU_PRESETS  # noqa: E402
 from costmodels.specs import GPUSpec  # noqa: E402
@@ -151,13 +153,28 @@ def attention_section(doc: dict, gpu: GPUSpec) -> dict:
         ratio = measured_head_dim_ratio(doc, backend)
         if ratio is not None:
             out[f"{backend} head dim 64 / 128"] = ratio
-    out["model head dim 64 / 128"] = float(saturate(64.0, ATTN_HEAD_DIM_HALF) / saturate(128.0, ATTN_HEAD_DIM_HALF))
+    out["model head dim 64 / 128"] = model_head_dim_ratio(gpu)
     e, p = EfficiencyParams(), LITERATURE_PRIOR
     out["model (shipped defaults)"] = {"attn_eff_max": e.attn_eff_max, "attn_seq_half": e.attn_seq_half,
                                        "attn_bwd_ratio": e.attn_bwd_ratio}
     out["model (literature prior)"] = {"attn_eff_max": p.attn_eff_max, "attn_seq_half": p.attn_seq_half,
                                        "attn_bwd_ratio": p.attn_bwd_ratio}
     return out
+
+
+def model_head_dim_ratio(gpu: GPUSpec, seq: float = 16384.0) -> float:
+    """The cost model's fused attention forward+backward throughput at head dim 64 over head dim 128 (same width):
+    its MMAs, exponentials and backward shared-memory reads at the GPU's rates (compute.attention_core_fwd_bwd_s)."""
+    def seconds(head_dim, heads):
+        S = SimpleNamespace(tokens=np.float32(seq), tokens_elem=np.float32(seq), tp=np.float32(1.0),
+                            cp=np.float32(1.0), routed_tokens=np.float32(0.0), softmax_fallback=np.float32(0.0))
+        M = {"heads": heads, "qk_head_dim": head_dim, "v_head_dim": head_dim, "window": 0.0, "window_layer_frac": 0.0}
+        H = {"peak_bf16": gpu.peak_flops_bf16, "matmul_frac_bf16": gpu.matmul_frac_bf16,
+             "hbm_bw": gpu.hbm_bandwidth_bytes_per_s, "exp_x": gpu.exp_throughput_x, "sm_cycles": gpu.sm_cycles_per_s}
+        J = {"seq_len": seq, "flash": 1.0, "fp8_attention": 0.0, "packed_tokens": 0.0, "attn_rate_x": 1.0}
+        f, b = attention_core_fwd_bwd_s(S, M, H, J, EfficiencyParams())
+        return float(f) + float(b)
+    return seconds(128.0, 16.0) / seconds(64.0, 32.0)
 
 
 def measured_head_dim_ratio(doc: dict, backend: str, min_seq: int = 4096) -> float | None:
