@@ -345,8 +345,8 @@ def fused_attention_keys_per_query(S: Shapes, M: dict, J: dict, e: EfficiencyPar
 
 def flash_bwd_smem_bytes_per_score(head_dim):
     """Shared-memory bytes a fused backward reads per score: its five GEMMs (S = QK^T, dP = dO V^T, dV += P^T dO,
-    dK += dS^T Q, dQ += dS K [FA2 Alg. 2]) take their bf16 operands from shared memory: per tile of q query rows x k key columns,
-    Q, dO, dO, Q (4 q x d elements), K, V, K (3 k x d) and P, dS, dS (3 q x k), i.e.
+    dK += dS^T Q, dQ += dS K [FA2 Alg. 2]) take their bf16 operands from shared memory: per tile of q query
+    rows x k key columns, Q, dO, dO, Q (4 q x d elements), K, V, K (3 k x d) and P, dS, dS (3 q x k), i.e.
     2 d (4 / k + 3 / q) + 6 bytes per score (26 at head dim 128, 16 at 64)."""
     return 2.0 * head_dim * (4.0 / FLASH_BWD_TILE_K + 3.0 / FLASH_BWD_TILE_Q) + 6.0
 
@@ -359,7 +359,7 @@ def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: Efficiency
     Ultra), and the backward's shared-memory reads (flash_bwd_smem_bytes_per_score at SMEM_BYTES_PER_SM_CLOCK),
     added, at attn_eff_max of that bound. The two SM-side terms scale with SMs x clock, not the tensor peak: at
     head dim 128 on H100 the exponentials add 46 % to the forward's MMA time, on B200 94 % [FA4]; smaller heads
-    pay more per FLOP (head dim 64 on H100: 0.75x the forward rate, 0.86x the backward's, as measured on the lent
+    pay more per FLOP (head dim 64 on H100: 0.76x the forward rate, 0.85x the backward's, as measured on the lent
     H100 / H200: tests/test_attention_head_dim.py). Unfused attention computes the whole s x s score matrix (a
     sliding window only masks it) with batched GEMMs and memory-bound scale/mask/softmax/dropout kernels
     [K22 sec. 4.1]: backward two GEMMs per forward GEMM and UNFUSED_SOFTMAX_BWD_PER_FWD of the forward's bytes

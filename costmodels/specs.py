@@ -371,7 +371,8 @@ class GPUSpec:
         if not isinstance(self.exp_throughput_x, (int, float)) or not 0.25 <= self.exp_throughput_x <= 8.0:
             raise SpecError("exp_throughput_x", f"must be a rate ratio in [0.25, 8], got {self.exp_throughput_x!r}")
         if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or not 0 <= self.sm_count <= 4096:
-            raise SpecError("sm_count", f"must be a whole number of SMs in [0, 4096] (0: not given), got {self.sm_count!r}")
+            raise SpecError("sm_count",
+                            f"must be a whole number of SMs in [0, 4096] (0: not given), got {self.sm_count!r}")
         if not isinstance(self.sm_clock_hz, (int, float)) or isinstance(self.sm_clock_hz, bool) \
                 or not 0.0 <= self.sm_clock_hz <= 1e10:
             raise SpecError("sm_clock_hz", f"must be a clock in [0, 10] GHz (0: not given), got {self.sm_clock_hz!r}")
