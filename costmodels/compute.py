@@ -130,6 +130,11 @@ SMEM_BYTES_PER_SM_CLOCK = 128.0
 #: the fused backward's tile of scores: 64 query rows x 128 key columns (FlashAttention-2/3's backward kernels for
 #: head dims 64-128)
 FLASH_BWD_TILE_Q, FLASH_BWD_TILE_K = 64.0, 128.0
+#: the fused backward's fixed cost per query row (attn_seq_half / 2 keys' worth in the forward) is 3x the forward's:
+#: its preprocessing (the row sums of dO * O) and its dQ accumulation. Fitted apart on the lent H100 and H200 (cuDNN
+#: 9.19, head dims 64 / 128, 1k-16k tokens, tests/data/gpu): forward 512, backward 1536 keys, rms log error 0.015 /
+#: 0.027 (H100), 0.027 / 0.052 (H200), against 0.108 / 0.071 with one cost for both
+ATTN_BWD_ROW_COST_X = 3.0
 #: fp8 attention's MMAs run at twice bf16's rate (every Hopper / Blackwell datasheet: dense FP8 = 2 x BF16); its
 #: exponentials do not, so on H100 at head dim 128 the forward gains (0.52 + 0.24) / (0.26 + 0.24) = 1.5x (ps per
 #: score), cuDNN 9's and FlashAttention-3's published fp8 over bf16 forward (1.2 vs ~0.74-0.8 PFLOP/s [cuDNN9, FA3])
@@ -357,7 +362,8 @@ def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: Efficiency
     bf16 peak or fp8's twice it), the softmax's exponential on the special-function units (one per score, forward
     and again in the backward's recomputation of P [FA2]; EXP_PER_SM_CLOCK per SM cycle, exp_x on Blackwell
     Ultra), and the backward's shared-memory reads (flash_bwd_smem_bytes_per_score at SMEM_BYTES_PER_SM_CLOCK),
-    added, at attn_eff_max of that bound. The two SM-side terms scale with SMs x clock, not the tensor peak: at
+    added, at attn_eff_max of that bound; the backward's fixed cost per query row is ATTN_BWD_ROW_COST_X the
+    forward's (fused_attention_keys_per_query). The two SM-side terms scale with SMs x clock, not the tensor peak: at
     head dim 128 on H100 the exponentials add 46 % to the forward's MMA time, on B200 94 % [FA4]; smaller heads
     pay more per FLOP (head dim 64 on H100: 0.76x the forward rate, 0.85x the backward's, as measured on the lent
     H100 / H200: tests/test_attention_head_dim.py). Unfused attention computes the whole s x s score matrix (a
@@ -369,18 +375,20 @@ def attention_core_fwd_bwd_s(S: Shapes, M: dict, H: dict, J: dict, e: Efficiency
     d_sum = M["qk_head_dim"] + M["v_head_dim"]
     flops = 2.0 * T * (s / 2.0) * heads_local * d_sum
     scores = T * fused_attention_keys_per_query(S, M, J, e) * heads_local
+    scores_bwd = T * fused_attention_keys_per_query(
+        S, M, J, e._replace(attn_seq_half=ATTN_BWD_ROW_COST_X * e.attn_seq_half)) * heads_local
     mma_rate = H["peak_bf16"] * jnp.where(J["fp8_attention"] > 0, FP8_MMA_X, 1.0)
-    t_mma = 2.0 * scores * d_sum / mma_rate
-    t_exp = scores / (EXP_PER_SM_CLOCK * H["sm_cycles"] * H["exp_x"])
-    t_smem = scores * flash_bwd_smem_bytes_per_score(0.5 * d_sum) / (SMEM_BYTES_PER_SM_CLOCK * H["sm_cycles"])
+    exp_rate = EXP_PER_SM_CLOCK * H["sm_cycles"] * H["exp_x"]
+    t_mma, t_mma_bwd = 2.0 * scores * d_sum / mma_rate, 2.0 * scores_bwd * d_sum / mma_rate
+    t_smem = scores_bwd * flash_bwd_smem_bytes_per_score(0.5 * d_sum) / (SMEM_BYTES_PER_SM_CLOCK * H["sm_cycles"])
     rate = e.attn_eff_max * J["attn_rate_x"]
     scores_per_bw = T * s * heads_local / (H["hbm_bw"] * e.hbm_eff)
     t_bmm = 2.0 * flops / (H["peak_bf16"] * H["matmul_frac_bf16"] * e.gemm_eff_max * saturate(M["qk_head_dim"], e.gemm_dim_half))
     fwd_bytes = e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_FWD
     bwd_bytes = UNFUSED_SOFTMAX_BWD_PER_FWD * e.softmax_bytes_per_score + S.softmax_fallback * SOFTMAX_FALLBACK_EXTRA_BYTES_BWD
     fused = J["flash"] > 0
-    return (jnp.where(fused, (t_mma + t_exp) / rate, t_bmm + scores_per_bw * fwd_bytes),
-            jnp.where(fused, (e.attn_bwd_ratio * t_mma + t_exp + t_smem) / rate,
+    return (jnp.where(fused, (t_mma + scores / exp_rate) / rate, t_bmm + scores_per_bw * fwd_bytes),
+            jnp.where(fused, (e.attn_bwd_ratio * t_mma_bwd + scores_bwd / exp_rate + t_smem) / rate,
                       2.0 * t_bmm + scores_per_bw * bwd_bytes))
 
 
