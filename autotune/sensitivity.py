@@ -103,8 +103,8 @@ def _pct_change(e: float, factor: float = WHATIF) -> float:
 PARAM_LABELS = {
     "gemm_eff_max": "large-GEMM efficiency", "gemm_eff_max_fp8": "large fp8 GEMM efficiency",
     "gemm_dim_half": "GEMM size at half efficiency", "attn_eff_max": "attention kernel efficiency",
-    "attn_seq_half": "sequence length at half attention efficiency",
-    "attn_bwd_ratio": "fused attention backward/forward time ratio",
+    "attn_seq_half": "attention kernel's fixed cost per query row",
+    "attn_bwd_ratio": "fused attention backward/forward MMA ratio",
     "softmax_bytes_per_score": "unfused softmax bytes per score", "hbm_eff": "achieved HBM bandwidth share",
     "elementwise_bytes_h": "elementwise bytes per hidden unit", "elementwise_bytes_f": "elementwise bytes per FFN unit",
     "lp_cast_bytes": "low-precision cast bytes", "kernel_overhead_s": "per-kernel launch overhead",

@@ -21,7 +21,7 @@ class EfficiencyParams(NamedTuple):
     attn_eff_max: float = 0.9507          # fused attention's fraction of its MMA + exponential (+ backward shared-memory) bound
     attn_seq_half: float = 512.0        # fused attention forward's fixed cost per query row, in keys x 2 (measured:
     #                                     cuDNN 9.19 on the lent H100 / H200; the backward's is compute.ATTN_BWD_ROW_COST_X of it)
-    attn_bwd_ratio: float = 2.5         # flash-attention backward time / forward time (5 vs 2 GEMMs)
+    attn_bwd_ratio: float = 2.5         # fused attention backward MMAs / forward MMAs (5 vs 2 GEMMs)
     softmax_bytes_per_score: float = 11.96  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
     hbm_eff: float = 0.9042               # achieved fraction of HBM bandwidth for memory-bound kernels
     elementwise_bytes_h: float = 24.58   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
