@@ -171,3 +171,19 @@ def test_gpus_command_lists_sms():
     result = CliRunner().invoke(app, ["gpus", "--json"])
     rows = {g["name"]: g for g in json.loads(result.stdout)["gpus"]}
     assert (rows["b200"]["sms"], rows["b200"]["sm_clock_mhz"]) == (148, 1980.0)
+
+
+def test_saved_reports_without_sms_load_and_bad_ones_are_named(tmp_path):
+    """A report saved before GPUSpec had SMs still exports (H100's balance); a damaged figure is one line, exit 2."""
+    from pathlib import Path
+    report = json.loads((Path(__file__).parents[1] / "results" / "reference" / "dense_llama3-70b_h100x512.json").read_text())
+    gpu = report["problem"]["gpu"]
+    assert (gpu["sm_count"], gpu["sm_clock_hz"]) == (132, 1.98e9)
+    old = dict(report, problem=dict(report["problem"], gpu={k: v for k, v in gpu.items() if not k.startswith("sm_")}))
+    bad = dict(report, problem=dict(report["problem"], gpu=dict(gpu, sm_count="abc")))
+    for name, doc in (("old", old), ("bad", bad)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    ok = CliRunner().invoke(app, ["export", "--report", str(tmp_path / "old.json"), "--to", "megatron"])
+    assert ok.exit_code == 0 and "--num-layers 80" in ok.stdout
+    refused = CliRunner().invoke(app, ["export", "--report", str(tmp_path / "bad.json"), "--to", "megatron"])
+    assert refused.exit_code == 2 and "sm_count" in refused.output and "Traceback" not in refused.output
