@@ -176,7 +176,8 @@ def test_gpus_command_lists_sms():
 def test_saved_reports_without_sms_load_and_bad_ones_are_named(tmp_path):
     """A report saved before GPUSpec had SMs still exports (H100's balance); a damaged figure is one line, exit 2."""
     from pathlib import Path
-    report = json.loads((Path(__file__).parents[1] / "results" / "reference" / "dense_llama3-70b_h100x512.json").read_text())
+    saved = Path(__file__).parents[1] / "results" / "reference" / "dense_llama3-70b_h100x512.json"
+    report = json.loads(saved.read_text())
     gpu = report["problem"]["gpu"]
     assert (gpu["sm_count"], gpu["sm_clock_hz"]) == (132, 1.98e9)
     old = dict(report, problem=dict(report["problem"], gpu={k: v for k, v in gpu.items() if not k.startswith("sm_")}))
