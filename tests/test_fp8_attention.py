@@ -14,7 +14,9 @@ Golden facts, from the sources:
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,8 +31,11 @@ from autotune.validate import case_from_row
 from cli.main import app
 from costmodels import compute
 from costmodels.params import EfficiencyParams
-from costmodels.presets import GPU_PRESETS
 from costmodels.specs import SpecError
+
+_SPEC = importlib.util.spec_from_file_location("compare_gpu", Path(__file__).parent / "gpu" / "compare_gpu.py")
+cg = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(cg)
 
 CUDNN_FP8_OVER_BF16 = 3.0 / 2.0      # cuDNN 9 blog: 3x (fp8) and 2x (bf16) PyTorch eager attention, on H100
 
@@ -53,14 +58,7 @@ def _shapes(T, tp):
 
 
 def _core(fp8, *, seq=16384.0, heads=32, head_dim=128, tp=1.0, window=0, gpu="h100"):
-    g = GPU_PRESETS[gpu]
-    M = {"heads": heads, "qk_head_dim": head_dim, "v_head_dim": head_dim, "window": window,
-         "window_layer_frac": 0.5 if window else 0.0}
-    H = {"peak_bf16": g.peak_flops_bf16, "matmul_frac_bf16": g.matmul_frac_bf16, "hbm_bw": g.hbm_bandwidth_bytes_per_s,
-         "exp_x": g.exp_throughput_x, "sm_cycles": g.sm_cycles_per_s}
-    J = {"seq_len": float(seq), "flash": 1.0, "fp8_attention": fp8, "packed_tokens": 0.0, "attn_rate_x": 1.0}
-    f, b = compute.attention_core_fwd_bwd_s(_shapes(float(seq), tp), M, H, J, EfficiencyParams())
-    return float(f), float(b)
+    return cg.attention_core_s(gpu, head_dim, heads, seq, fp8=fp8, tp=tp, window=window)
 
 
 def test_fp8_attention_forward_runs_at_cudnns_fp8_rate_on_h100():

@@ -39,8 +39,9 @@ sys.path.insert(0, ROOT)
 from types import SimpleNamespace  # noqa: E402
 
 from costmodels.compute import PERMUTE_BYTES_PER_H, attention_core_fwd_bwd_s, gemm_s, saturate  # noqa: E402
+from costmodels.encode import encode_cluster  # noqa: E402
 from costmodels.params import LITERATURE_PRIOR, EfficiencyParams  # noqa: E402
-from costmodels.presets import GPU_PRESETS  # noqa: E402
+from costmodels.presets import GPU_PRESETS, build_cluster  # noqa: E402
 from costmodels.specs import GPUSpec  # noqa: E402
 
 DATA = os.path.join(ROOT, "tests", "data", "gpu")
@@ -162,19 +163,26 @@ def attention_section(doc: dict, gpu: GPUSpec) -> dict:
     return out
 
 
+def attention_core_s(gpu: str, head_dim: float, heads: float, seq: float, *, fp8: float = 0.0, tp: float = 1.0,
+                     window: float = 0.0, sm_cycles_x: float = 1.0, e: EfficiencyParams | None = None) -> tuple:
+    """Forward and backward seconds of one sequence's fused attention core on a GPU preset, as the cost model
+    prices it (compute.attention_core_fwd_bwd_s with the preset encoded as the scorer encodes it); a window
+    applies to half the layers; sm_cycles_x scales the SMs' rate (exponentials, shared memory)."""
+    H = encode_cluster(build_cluster(gpu=gpu, num_gpus=8))
+    H = {**H, "sm_cycles": H["sm_cycles"] * np.float32(sm_cycles_x)}
+    S = SimpleNamespace(tokens=np.float32(seq), tokens_elem=np.float32(seq), tp=np.float32(tp), cp=np.float32(1.0),
+                        routed_tokens=np.float32(0.0), softmax_fallback=np.float32(0.0))
+    M = {"heads": heads, "qk_head_dim": head_dim, "v_head_dim": head_dim, "window": window,
+         "window_layer_frac": 0.5 if window else 0.0}
+    J = {"seq_len": float(seq), "flash": 1.0, "fp8_attention": fp8, "packed_tokens": 0.0, "attn_rate_x": 1.0}
+    f, b = attention_core_fwd_bwd_s(S, M, H, J, e or EfficiencyParams())
+    return float(f), float(b)
+
+
 def model_head_dim_ratio(gpu: GPUSpec, seq: float = 16384.0) -> float:
     """The cost model's fused attention forward+backward throughput at head dim 64 over head dim 128 (same width):
     its MMAs, exponentials and backward shared-memory reads at the GPU's rates (compute.attention_core_fwd_bwd_s)."""
-    def seconds(head_dim, heads):
-        S = SimpleNamespace(tokens=np.float32(seq), tokens_elem=np.float32(seq), tp=np.float32(1.0),
-                            cp=np.float32(1.0), routed_tokens=np.float32(0.0), softmax_fallback=np.float32(0.0))
-        M = {"heads": heads, "qk_head_dim": head_dim, "v_head_dim": head_dim, "window": 0.0, "window_layer_frac": 0.0}
-        H = {"peak_bf16": gpu.peak_flops_bf16, "matmul_frac_bf16": gpu.matmul_frac_bf16,
-             "hbm_bw": gpu.hbm_bandwidth_bytes_per_s, "exp_x": gpu.exp_throughput_x, "sm_cycles": gpu.sm_cycles_per_s}
-        J = {"seq_len": seq, "flash": 1.0, "fp8_attention": 0.0, "packed_tokens": 0.0, "attn_rate_x": 1.0}
-        f, b = attention_core_fwd_bwd_s(S, M, H, J, EfficiencyParams())
-        return float(f) + float(b)
-    return seconds(128.0, 16.0) / seconds(64.0, 32.0)
+    return sum(attention_core_s(gpu.name, 128.0, 16.0, seq)) / sum(attention_core_s(gpu.name, 64.0, 32.0, seq))
 
 
 def measured_head_dim_ratio(doc: dict, backend: str, min_seq: int = 4096) -> float | None:
