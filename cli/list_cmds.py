@@ -36,7 +36,7 @@ def gpu_rows() -> list[dict]:
              "hbm_gib": g.hbm_bytes / 2 ** 30, "hbm_tbps": g.hbm_bandwidth_bytes_per_s / 1e12,
              "gpus_per_node": g.gpus_per_node, "nvlink_gbps": g.intra_node_bw_bytes_per_s / 1e9,
              "nic_gbps": g.inter_node_bw_bytes_per_s / 1e9, "sms": g.sm_count, "sm_clock_mhz": g.sm_clock_hz / 1e6,
-             "exp_throughput_x": g.exp_throughput_x,
+             "exp_throughput_x": g.exp_throughput_x, "host_op_x": g.host_op_x,
              "aliases": sorted(a for a, target in GPU_ALIASES.items() if target == name)}
             for name, g in GPU_PRESETS.items()]
 
@@ -86,15 +86,16 @@ def gpus(as_json: JsonOpt = False) -> int:
         print_json({"gpus": rows})
         return EXIT_OK
     print_table(stdout_console(), _table(
-        "GPU presets (--gpu NAME); dense TFLOP/s, per-direction GB/s per GPU, SMs and boost MHz, exp = softmax exponential rate (2: Blackwell Ultra)",
+        "GPU presets (--gpu NAME); dense TFLOP/s, per-direction GB/s per GPU, SMs and boost MHz, exp = softmax exponential rate (2: Blackwell Ultra), host = host CPU time per framework op (1: a DGX H100's Xeon; Grace 2.75)",
         [("name", "left"), ("bf16", "right"), ("fp8", "right"), ("fp4", "right"), ("HBM GiB", "right"),
          ("HBM TB/s", "right"), ("node", "right"), ("NVLink GB/s", "right"), ("NIC GB/s", "right"),
-         ("SMs", "right"), ("MHz", "right"), ("exp", "right"), ("also", "left")],
+         ("SMs", "right"), ("MHz", "right"), ("exp", "right"), ("host", "right"),
+         ("also", "left")],
         [[r["name"], f"{r['bf16_tflops']:,.0f}", f"{r['fp8_tflops']:,.0f}" if r["fp8_tflops"] else "-",
           f"{r['fp4_tflops']:,.0f}" if r["fp4_tflops"] else "-", f"{r['hbm_gib']:,.0f}", f"{r['hbm_tbps']:.2f}",
           str(r["gpus_per_node"]), f"{r['nvlink_gbps']:,.0f}", f"{r['nic_gbps']:,.0f}", str(r["sms"] or "-"),
           f"{r['sm_clock_mhz']:,.0f}" if r["sms"] else "-", f"{r['exp_throughput_x']:g}",
-          ", ".join(r["aliases"]) or "-"]
+          f"{r['host_op_x']:g}", ", ".join(r["aliases"]) or "-"]
          for r in rows]))
     return EXIT_OK
 

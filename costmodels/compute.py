@@ -300,6 +300,7 @@ class LayerWork(NamedTuple):
     remat_skip_dense: object  # forward work full recompute does not replay (an XLA remat: the MLP's last GEMM)
     remat_skip_moe: object
     host_moe_pre: object     # host time of an MoE layer's ops before its dispatcher waits for the token counts
+    host_op: object          # the host's time per framework op: host_op_s on this system's CPU
     lora_dense: object       # LoRA adapters of a dense layer (their GEMMs and adds), forward
     lora_moe: object
     frozen_wgrad_dense: object  # weight-gradient GEMMs a LoRA job skips (frozen base weights): one forward's worth
@@ -594,6 +595,7 @@ def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> Lay
     amax_dense, amax_moe = fp8_amax_pass_kernels(S, M, J)
     down_dense, down_moe = mlp_down_s(S, M, H, J, e)
     core_fwd, core_bwd = attention_core_fwd_bwd_s(S, M, H, J, e)
+    host_op = e.host_op_s * H["host_op_x"]
     return LayerWork(
         attn_proj=attn_proj, attn_core=core_fwd, attn_core_bwd=core_bwd,
         mla_up=mla_up_projections_s(S, M, H, J, e), mlp_dense=mlp_dense,
@@ -601,9 +603,9 @@ def layer_work(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams) -> Lay
         elem_dense=elem_dense, elem_moe=elem_moe,
         kernels_dense=(n_dense + amax_dense) * e.kernel_overhead_s,
         kernels_moe=(n_moe + amax_moe) * e.kernel_overhead_s,
-        host_dense=host_dense * e.host_op_s, host_moe=host_moe * e.host_op_s,
+        host_dense=host_dense * host_op, host_moe=host_moe * host_op,
         remat_skip_dense=J["compiled_step"] * down_dense, remat_skip_moe=J["compiled_step"] * down_moe,
-        host_moe_pre=moe_pre_sync_launches(S, M, J) * e.host_op_s,
+        host_moe_pre=moe_pre_sync_launches(S, M, J) * host_op, host_op=host_op,
         lora_dense=lora_dense, lora_moe=lora_moe,
         frozen_wgrad_dense=J["lora"] * (attn_proj + mlp_dense), frozen_wgrad_moe=J["lora"] * (attn_proj + mlp_moe))
 

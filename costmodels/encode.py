@@ -87,6 +87,7 @@ def encode_cluster(c: ClusterSpec) -> dict:
         sm_cycles=c.gpu.sm_cycles_per_s,            # SMs x clock: fused attention's exponentials and shared memory
         exp_x=c.gpu.exp_throughput_x,               # softmax exponential rate (2: Blackwell Ultra)
         host_bw=c.gpu.host_link_bw_bytes_per_s,     # to host memory, per direction (CPU offloading's copies)
+        host_op_x=c.gpu.host_op_x,                  # the host CPU's time per framework op (Grace: 2.75)
     )
     return {k: np.float32(v) for k, v in vals.items()}
 

@@ -76,7 +76,7 @@ def moe_host_sync(S, w, lt, lc, J, e) -> MoeSync:
     h_f = w.host_moe
     g_p = w.attn_proj + w.attn_core + w.elem_attn + w.rope + lc.cp_fwd + compute.KERNELS_ATTN_BLOCK * e.kernel_overhead_s
     h_p = w.host_moe_pre
-    cycle = jnp.maximum(h_f, jnp.maximum(h_f - h_p, g_f - g_p) + g_p) + e.host_op_s
+    cycle = jnp.maximum(h_f, jnp.maximum(h_f - h_p, g_f - g_p) + g_p) + w.host_op
     on = S.is_moe * (J["moe_capacity"] <= 0).astype(jnp.float32) * (1.0 - J["cg_iteration"])
     return MoeSync(on * cycle, on * g_f, on * h_f)
 

@@ -15,7 +15,7 @@ Public API
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -77,6 +77,8 @@ def _gpu_from_entry(name: str, entry: dict) -> GPUSpec:
         si["sm_clock_hz"] = float(round(entry["sm_clock_mhz"] * 1e6))
     if entry.get("exp_throughput_x") is not None:      # softmax exponential rate (2: Blackwell Ultra)
         si["exp_throughput_x"] = float(entry["exp_throughput_x"])
+    if entry.get("host_op_x") is not None:             # the host CPU's time per framework op (Grace: 2.75)
+        si["host_op_x"] = float(entry["host_op_x"])
     if entry.get("host_gbps") is not None:             # the link to host memory (CPU offloading's copies)
         si["host_link_bw_bytes_per_s"] = float(round(entry["host_gbps"] * GIGA))
     return GPUSpec(name=name, family=entry["family"], gpus_per_node=entry["gpus_per_node"],
@@ -447,7 +449,7 @@ def load_model(name_or_path: str) -> ModelSpec:
 
 _CLUSTER_FIELDS = ("name", "gpu", "gpus", "gpus_per_node", "nvlink_domain_size",
                    "intra_node_bandwidth_gb_per_s", "inter_node_bandwidth_gb_per_s", "fabric_bandwidth_factor",
-                   "intra_node_latency_us", "inter_node_latency_us", "sites")
+                   "intra_node_latency_us", "inter_node_latency_us", "host_op_x", "sites")
 _SITE_FIELDS = ("count", "gpus_per_site", "wan_bandwidth_gb_per_s", "wan_latency_ms")
 #: earlier names of the bandwidth fields: "gbps" read as GB/s, which most readers take for Gb/s
 _OLD_BANDWIDTH_KEYS = {"intra_node_bandwidth_gbps": "intra_node_bandwidth_gb_per_s",
@@ -596,6 +598,12 @@ def build_cluster(*, gpu: str | None = None, num_gpus: int | None = None,
         raise SpecError("gpu", f"give a GPU preset (--gpu or 'gpu' in the cluster file); known "
                         f"presets: {', '.join(GPU_PRESETS)}")
     gpu_spec = _gpu(gpu_name, gpu_field)
+    if file.get("host_op_x") is not None:           # the nodes' CPU, where it is not the preset's usual host
+        x = _positive_number("cluster.host_op_x", file["host_op_x"])
+        if not 0.1 <= x <= 10.0:
+            raise SpecError("cluster.host_op_x", f"must be the host CPU's time per op against a DGX H100's Xeon, "
+                                                 f"in [0.1, 10], got {x:g}")
+        gpu_spec = replace(gpu_spec, host_op_x=float(x))
 
     gpus, gpus_field = _pick(num_gpus, "gpus", file, "gpus")
     if gpus is not None:

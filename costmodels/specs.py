@@ -354,6 +354,11 @@ class GPUSpec:
     # the GPU's link to host memory, per direction (what --cpu-offloading's copies run over): PCIe, or NVLink-C2C
     # on Grace superchips; the default is PCIe Gen4 x16's 32 GB/s
     host_link_bw_bytes_per_s: float = 32e9
+    # The host CPU's time per framework op (Python, autograd, the launch) against a DGX H100's Xeon Platinum
+    # 8480C, on which host_op_s is measured: an eager framework issues every kernel from one CPU thread per GPU.
+    # Grace superchips (GB200, GB300): torch.nn.Linear's forward takes 37.08 us of CPU on GB200 against 13.48 us
+    # on DGX H100 (TransformerEngine issue #2053, 2025; GH200 33.17 us), 2.75x
+    host_op_x: float = 1.0
     family: str = ""                     # calibration family, e.g. "ampere", "hopper"
     source: str = ""
 
@@ -370,6 +375,10 @@ class GPUSpec:
                 raise SpecError(f, f"must be a fraction of the peak in [0.1, 1], got {v!r}")
         if not isinstance(self.exp_throughput_x, (int, float)) or not 0.25 <= self.exp_throughput_x <= 8.0:
             raise SpecError("exp_throughput_x", f"must be a rate ratio in [0.25, 8], got {self.exp_throughput_x!r}")
+        if not isinstance(self.host_op_x, (int, float)) or isinstance(self.host_op_x, bool) \
+                or not 0.1 <= self.host_op_x <= 10.0:
+            raise SpecError("host_op_x", f"must be the host CPU's time per op against a DGX H100's, in [0.1, 10], "
+                                         f"got {self.host_op_x!r}")
         if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or not 0 <= self.sm_count <= 4096:
             raise SpecError("sm_count",
                             f"must be a whole number of SMs in [0, 4096] (0: not given), got {self.sm_count!r}")

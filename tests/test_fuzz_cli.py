@@ -188,7 +188,8 @@ def test_fuzz_model_configs(cfg, as_json, tmp_path_factory):
 
 
 CLUSTER_KEYS = ["gpu", "gpus", "gpus_per_node", "nvlink_domain_size", "intra_node_bandwidth_gbps",
-                "inter_node_bandwidth_gbps", "fabric_bandwidth_factor", "intra_node_latency_us", "sites", "bogus"]
+                "inter_node_bandwidth_gbps", "fabric_bandwidth_factor", "intra_node_latency_us", "host_op_x", "sites",
+                "bogus"]
 
 
 @FUZZ

@@ -24,11 +24,11 @@ def _inputs(g_f, g_p, h_f, h_p, capacity=0.0, iteration_graph=0.0, host_op=0.05)
     its memory-bound work), host h_f (h_p before the wait)."""
     S = NS(is_moe=np.float32(1.0))
     w = NS(attn_proj=np.float32(g_p * 0.6), attn_core=np.float32(g_p * 0.3), elem_attn=np.float32(g_p * 0.1), rope=np.float32(0.0),
-           host_moe=np.float32(h_f), host_moe_pre=np.float32(h_p))
+           host_moe=np.float32(h_f), host_moe_pre=np.float32(h_p), host_op=np.float32(host_op))
     lt = NS(fwd_moe=np.float32(g_f - 0.5))
     lc = NS(tp_moe=np.float32(0.0), ep_fwd=np.float32(0.5), cp_fwd=np.float32(0.0))   # all-to-alls: dispatch + combine
     J = {"moe_capacity": np.float32(capacity), "cg_iteration": np.float32(iteration_graph)}
-    e = NS(kernel_overhead_s=0.0, host_op_s=host_op)
+    e = NS(kernel_overhead_s=0.0)
     return S, w, lt, lc, J, e
 
 

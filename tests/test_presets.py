@@ -359,8 +359,8 @@ def test_shipped_cluster_files_and_readme():
     readme = (CLUSTER_DIR / "README.md").read_text()
     for name in ("name", "gpu", "gpus", "nvlink_domain_size", "gpus_per_node",
                  "intra_node_bandwidth_gb_per_s", "inter_node_bandwidth_gb_per_s", "fabric_bandwidth_factor",
-                 "intra_node_latency_us", "inter_node_latency_us", "sites", "count", "gpus_per_site",
-                 "wan_bandwidth_gb_per_s", "wan_latency_ms"):
+                 "intra_node_latency_us", "inter_node_latency_us", "host_op_x", "sites", "count",
+                 "gpus_per_site", "wan_bandwidth_gb_per_s", "wan_latency_ms"):
         assert f"`{name}`" in readme, name
 
 
@@ -469,6 +469,9 @@ BAD_CLUSTERS = [
      "must be in (0, 1]"),
     ("gpu: h100\ngpus: 64\nfabric_bandwidth_factor: 0\n", {}, "cluster.fabric_bandwidth_factor",
      "positive number"),
+    ("gpu: h100\ngpus: 64\nhost_op_x: 0\n", {}, "cluster.host_op_x", "positive number"),
+    ("gpu: h100\ngpus: 64\nhost_op_x: 40\n", {}, "cluster.host_op_x", "in [0.1, 10]"),
+    ("gpu: h100\ngpus: 64\nhost_op_x: grace\n", {}, "cluster.host_op_x", "positive number"),
     ("gpu: h100\ngpus: 64\ninter_node_bandwidth_gb_per_s: fast\n", {}, "cluster.inter_node_bandwidth_gb_per_s",
      "positive number"),
     ("gpu: h100\ngpus: 64\n", {"intra_node_bw_gbps": -1}, "intra_node_bw_gbps", "positive number"),
