@@ -128,8 +128,10 @@ def _host_sentence(best: dict, problem: Problem) -> str:
     else:
         fix = (f"with --cuda-graph-impl {impl} the rest is the uncaptured regions' kernels: capture more of "
                "the layer, or give each kernel more work (a larger micro-batch)")
+    x = problem.cluster.gpu.host_op_x
+    cpu = f", and a host CPU that takes {x:g}x a DGX H100's Xeon time per op" if x != 1.0 else ""
     return (f" Its GPUs wait {share:.0%} of the step ({wait:.3g} s) for the host to issue kernels (small "
-            f"kernels, eager launches): {fix}.")
+            f"kernels, eager launches{cpu}): {fix}.")
 
 
 def _site_sentence(plan: dict, problem: Problem) -> str:

@@ -107,3 +107,19 @@ def test_a_cluster_file_names_its_hosts_cpu(tmp_path):
     x86 = CliRunner().invoke(app, ["predict", "--model", "qwen3-30b-a3b", "--gpu", "h200", "--gpus", "8", *job])
     assert grace.exit_code == x86.exit_code == 0
     assert json.loads(grace.stdout)["step_time_s"] > json.loads(x86.stdout)["step_time_s"]
+
+
+def test_the_explanation_names_a_slow_host_cpu():
+    """A host-bound best plan on GB200 says why the host is slow there, and what removes the wait."""
+    from autotune.report import explain
+    from autotune.search import exhaustive
+    from costmodels.params import EfficiencyParams
+    problem = api.build_problem(model="qwen3-30b-a3b", gpu="gb200", gpus=8, global_batch=64, seq_len=4096,
+                                precision="fp8")
+    res = exhaustive(problem, EfficiencyParams(), top_k=2)
+    text = explain(res.best, res.runner_up, problem)
+    assert "2.75x a DGX H100's Xeon" in text and "--cuda-graph-impl" in text
+    x86 = api.build_problem(model="qwen3-30b-a3b", gpu="b200", gpus=8, global_batch=64, seq_len=4096,
+                            precision="fp8")
+    res = exhaustive(x86, EfficiencyParams(), top_k=2)
+    assert "Xeon" not in explain(res.best, res.runner_up, x86)
