@@ -95,7 +95,9 @@ def load_params_file(path: str) -> tuple[EfficiencyParams, dict]:
 #: 1 + 1, but a prior of 4 fitted worse out of sample: README "Accuracy"; tensorwise scaling's amax pass is
 #: compute.FP8_AMAX_PASS_BYTES on top), ZeRO's
 #: Adam traffic, PyTorch eager dispatch (~5-25 us of host work per op: Python, autograd recording,
-#: the ATen dispatcher, cudaLaunchKernel; 25 us per kernel counts the module calls between them),
+#: the ATen dispatcher, cudaLaunchKernel; 25 us per kernel counts the module calls between them; TransformerEngine
+#: issue #2053 measured one torch.nn.Linear forward at 13.48 us of CPU on a DGX H100, and TE's Linear at 99.66 us on
+#: GB200, ~36 us on the DGX's Xeon at Grace's 2.75x: GPUSpec.host_op_x),
 #: the EP batch-level overlap hiding all-to-alls under ~0.8 of the other micro-batch's compute (the
 #: communication kernels hold ~20-24 of 132 SMs: DeepEP README).
 #: DeepSpeed's ZeRO-3 of 2021 gathered ~21 GB/s per GPU inside one NVLink A100 node (DeepSpeed issue #1174:
