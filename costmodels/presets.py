@@ -600,10 +600,10 @@ def build_cluster(*, gpu: str | None = None, num_gpus: int | None = None,
     gpu_spec = _gpu(gpu_name, gpu_field)
     if file.get("host_op_x") is not None:           # the nodes' CPU, where it is not the preset's usual host
         x = _positive_number("cluster.host_op_x", file["host_op_x"])
-        if not 0.1 <= x <= 10.0:
-            raise SpecError("cluster.host_op_x", f"must be the host CPU's time per op against a DGX H100's Xeon, "
-                                                 f"in [0.1, 10], got {x:g}")
-        gpu_spec = replace(gpu_spec, host_op_x=float(x))
+        try:                                         # GPUSpec holds its range
+            gpu_spec = replace(gpu_spec, host_op_x=x)
+        except SpecError as err:
+            raise SpecError("cluster.host_op_x", err.reason) from None
 
     gpus, gpus_field = _pick(num_gpus, "gpus", file, "gpus")
     if gpus is not None:

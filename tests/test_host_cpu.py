@@ -68,31 +68,6 @@ def test_host_op_x_out_of_range_is_named(bad):
     assert err.value.field == "host_op_x"
 
 
-def test_gpus_command_lists_the_host_cpu_factor():
-    result = CliRunner().invoke(app, ["gpus", "--json"])
-    assert result.exit_code == 0
-    rows = {g["name"]: g for g in json.loads(result.stdout)["gpus"]}
-    assert rows["gb200"]["host_op_x"] == 2.75 and rows["b200"]["host_op_x"] == 1.0
-    table = CliRunner().invoke(app, ["gpus"], env={"COLUMNS": "220"})
-    assert table.exit_code == 0 and "host" in table.stdout
-
-
-def test_saved_reports_without_the_factor_load_and_bad_ones_are_named(tmp_path):
-    """A report saved before GPUSpec had host_op_x still exports (an x86 host); a damaged one is one line, exit 2."""
-    from pathlib import Path
-    saved = Path(__file__).parents[1] / "results" / "reference" / "dense_llama3-70b_h100x512.json"
-    report = json.loads(saved.read_text())
-    gpu = report["problem"]["gpu"]
-    old = dict(report, problem=dict(report["problem"], gpu={k: v for k, v in gpu.items() if k != "host_op_x"}))
-    bad = dict(report, problem=dict(report["problem"], gpu=dict(gpu, host_op_x=-3)))
-    for name, doc in (("old", old), ("bad", bad)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
-    ok = CliRunner().invoke(app, ["export", "--report", str(tmp_path / "old.json"), "--to", "megatron"])
-    assert ok.exit_code == 0 and "--num-layers 80" in ok.stdout
-    refused = CliRunner().invoke(app, ["export", "--report", str(tmp_path / "bad.json"), "--to", "megatron"])
-    assert refused.exit_code == 2 and "host_op_x" in refused.output and "Traceback" not in refused.output
-
-
 def test_a_cluster_file_names_its_hosts_cpu(tmp_path):
     """Hopper GPUs on GH200 nodes (Grace hosts): the cluster file's host_op_x replaces the preset's x86 1.0, and the
     saved problem carries it."""
