@@ -64,15 +64,16 @@ def reduce_scatter_s(bytes_, n, stride, hw, eff, base_s=0.0):
 all_gather_s = reduce_scatter_s
 
 
-def all_to_all_s(bytes_, n, stride, hw, eff, base_s=0.0, remote_share=1.0):
+def all_to_all_s(bytes_, n, stride, hw, eff, base_s=0.0, remote_share=1.0, local_share=1.0):
     """All-to-all where each rank holds `bytes_` and keeps 1/n of it (token dispatch/combine);
     `remote_share` scales what leaves the NVLink domain (a dispatcher that sends a token once per
-    destination node instead of once per expert)."""
+    destination node instead of once per expert), `local_share` what stays inside it (once per
+    destination rank)."""
     intra_eff, inter_eff = eff
     k0 = _members_inside(hw["domain"], stride, n)
     k1 = _members_inside(hw["site"], stride, n)
     wan_share = hw["wan_bw"] / hw["site"]
-    t_intra = bytes_ * (k0 - 1.0) / n / (hw["intra_bw"] * intra_eff)
+    t_intra = local_share * bytes_ * (k0 - 1.0) / n / (hw["intra_bw"] * intra_eff)
     t_inter = remote_share * bytes_ * (k1 - k0) / n / (hw["inter_bw"] * inter_eff)
     t_wan = remote_share * bytes_ * (n - k1) / n / (wan_share * inter_eff)
     lat = jnp.where(n > k1, hw["wan_lat"], jnp.where(n > k0, hw["inter_lat"], hw["intra_lat"]))
@@ -86,7 +87,20 @@ def node_dedup_share(top_k, n, stride, hw):
     its top-k experts and fan it out over NVLink there [DeepEP README, "normal kernels"]. With uniform
     (force-balanced) routing over D domains a token reaches (D-1)(1-(1-1/D)^k) other domains in
     expectation, against k(D-1)/D copies for a plain all-to-all."""
-    d = jnp.maximum(n / _members_inside(hw["domain"], stride, n), 1.0)
+    return dedup_share(top_k, n / _members_inside(hw["domain"], stride, n))
+
+
+def rank_dedup_share(top_k, n):
+    """Share of a token's copies to the other ranks of its own NVLink domain that DeepEP / HybridEP still send:
+    one per destination rank holding any of its top-k experts (DeepEP intranode.cu: a token is copied to a
+    rank when `is_token_in_rank`, and the rank fans it out to its local experts), against one per expert."""
+    return dedup_share(top_k, n)
+
+
+def dedup_share(top_k, d):
+    """Copies a deduplicating dispatcher sends over d equal destinations (ranks or domains), per copy of the
+    plain all-to-all: uniform routing reaches each of them with probability 1 - (1 - 1/d)^k."""
+    d = jnp.maximum(d, 1.0)
     k = jnp.maximum(top_k, 1.0)
     share = d * (1.0 - (1.0 - 1.0 / d) ** k) / k
     return jnp.where(d > 1.0, jnp.minimum(share, 1.0), 1.0)

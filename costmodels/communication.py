@@ -31,6 +31,13 @@ from . import collectives as C
 from .compute import ACT_BYTES, LayerTimes, LayerWork, Shapes
 from .params import EfficiencyParams
 
+#: NVLink efficiency of the flex dispatcher's own kernels, per byte a rank sends after deduplication: HybridEP's
+#: measured intra-node bandwidth on 8 B200 (hidden 7168, top-8, 16 SMs, through the Torch API: dispatch 536,
+#: combine 531 GB/s of "algorithm bandwidth", which counts a rank's copy to itself) is 7/8 x 534 = 467 GB/s of
+#: NVLink 5's 900 [DeepEP hybrid-ep branch, Hybrid-EP_Intra-node_Implementation.md]; on GB200, 8 ranks 0.53,
+#: 36 ranks 0.51. DeepEP's normal kernels on B200 reach 0.34-0.53 at 16-24 SMs (same table).
+FLEX_NVL_EFF = 0.52
+
 
 def _links(e: EfficiencyParams):
     return (e.intra_bw_eff, e.inter_bw_eff)
@@ -100,9 +107,15 @@ def layer_comm(S: Shapes, w: LayerWork, lt: LayerTimes, M: dict, H: dict, J: dic
                          (1.0 - e.cp_overlap) * 2.0 * cp_raw)
     # EP [GS]: dispatch + combine all-to-all per MoE layer forward (and the same backward); the flex
     # dispatcher sends a token to another node once, not once per expert there [DEP]
+    # inside the domain it sends a token once per destination rank, at the NVLink efficiency its kernels reach
+    # (FLEX_NVL_EFF) rather than NCCL's
     a2a_bytes = S.routed_tokens * h * J["act_bytes"]
-    remote = jnp.where(J["flex_dispatch"] > 0, C.node_dedup_share(M["top_k"], S.ep, S.etp, H), 1.0)
-    t_a2a = 2.0 * C.all_to_all_s(a2a_bytes, S.ep, S.etp, H, link, lat, remote_share=remote) * S.is_moe
+    flex = J["flex_dispatch"] > 0
+    remote = jnp.where(flex, C.node_dedup_share(M["top_k"], S.ep, S.etp, H), 1.0)
+    local = jnp.where(flex, C.rank_dedup_share(M["top_k"], S.ep), 1.0)
+    a2a_link = (jnp.where(flex, FLEX_NVL_EFF, link[0]), link[1])
+    t_a2a = 2.0 * C.all_to_all_s(a2a_bytes, S.ep, S.etp, H, a2a_link, lat, remote_share=remote,
+                                 local_share=local) * S.is_moe
     # the allgather dispatcher (Megatron-Core's default type) gathers every EP rank's tokens, whatever
     # their experts, and reduce-scatters the outputs back [MoEAllGatherTokenDispatcher]
     gathered_bytes = S.ep * S.tokens / S.tp * h * J["act_bytes"]
