@@ -67,6 +67,14 @@ GEMMS_PER_BLOCK = 2.0
 #: bytes per routed token per hidden unit for (un)permuting tokens: read + write, to and from the
 #: expert order, bf16 (Megatron-Core moe_utils.permute / unpermute)
 PERMUTE_BYTES_PER_H = 4.0 * 2.0
+#: the alltoall dispatcher with more than one local expert also sorts the received tokens by local expert after
+#: the all-to-all and restores their order before the combine's (Megatron-Core MoEAlltoAllTokenDispatcher:
+#: sort_chunks_by_idxs in dispatch_postprocess and combine_preprocess; with token dropping the same copy as a
+#: transpose().contiguous()), and the backward sorts the gradients back: four passes that each read and write
+#: every routed token (bf16, 4 B per element), 16 B per routed token per hidden unit over forward + backward, a
+#: third of it per forward-equivalent (the model's backward is 2x its forward). DeepEP / HybridEP (flex) receive
+#: tokens in expert order; the sorts' kernels are among MOE_DISPATCH_KERNELS
+SORT_CHUNKS_BYTES_PER_H = 4.0 * 4.0 / 3.0
 #: the same without --moe-permute-fusion, per routed token per hidden unit per forward (the model's
 #: backward is 2x forward, so a third of forward + backward): moe_utils.permute's index_select (4.7 B
 #: measured) and unpermute's weight-multiply + zeros + scatter_add_ (29.7 B) forward, a gather (4.7 B)
@@ -436,10 +444,17 @@ def elementwise_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     dense = (T * f / tp * e.elementwise_bytes_f + lp * (Te * h + T * f / tp)) / bw
     moe = (routed * fe * e.elementwise_bytes_f + T / tp * sf * e.elementwise_bytes_f
            + jnp.where(J["permute_fusion"] > 0, PERMUTE_BYTES_PER_H, UNFUSED_PERMUTE_BYTES_PER_H) * routed * h
+           + sorts_by_local_expert(S, M, J) * SORT_CHUNKS_BYTES_PER_H * routed * h
            + ROUTER_BYTES_PER_EXPERT * T / tp * M["experts"]
            + M["expert_bias"] * EXPERT_BIAS_BYTES_PER_H * routed * h
            + lp * (2.0 * routed * h + routed * fe)) / bw
     return attn, dense, moe
+
+
+def sorts_by_local_expert(S: Shapes, M: dict, J: dict):
+    """1 where the dispatcher sorts received tokens by local expert (alltoall with several local experts)."""
+    alltoall = 1.0 - J["flex_dispatch"] - J["allgather_dispatch"]
+    return alltoall * (M["experts"] / S.ep > 1.0)
 
 
 def moe_kernels(S: Shapes, M: dict, J: dict):

@@ -14,35 +14,35 @@ import jax.numpy as jnp
 
 class EfficiencyParams(NamedTuple):
     # --- compute ---
-    gemm_eff_max: float = 0.9006          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
-    gemm_eff_max_fp8: float = 0.9291      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
+    gemm_eff_max: float = 0.9001          # large bf16 GEMM fraction of the GPU's max achievable matmul rate (GPUSpec MAMF)
+    gemm_eff_max_fp8: float = 0.9287      # large fp8 GEMM fraction of the fp8 MAMF (TE/cuBLASLt, scaling included)
     gemm_dim_half: float = 46.0           # a GEMM dim of this size halves efficiency: eff ~ x/(x+x0) per dim;
     #                                       measured, not fitted (H200 sweep, tests/gpu/compare_gpu.py)
-    attn_eff_max: float = 0.9508          # fused attention's fraction of its MMA + exponential (+ backward shared-memory) bound
+    attn_eff_max: float = 0.9507          # fused attention's fraction of its MMA + exponential (+ backward shared-memory) bound
     attn_seq_half: float = 512.0        # fused attention forward's fixed cost per query row, in keys x 2 (measured:
     #                                     cuDNN 9.19 on the lent H100 / H200; the backward's is compute.ATTN_BWD_ROW_COST_X of it)
     attn_bwd_ratio: float = 2.5         # fused attention backward MMAs / forward MMAs (5 vs 2 GEMMs)
-    softmax_bytes_per_score: float = 11.94  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
-    hbm_eff: float = 0.9044               # achieved fraction of HBM bandwidth for memory-bound kernels
-    elementwise_bytes_h: float = 24.38   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
-    elementwise_bytes_f: float = 28.55    # bytes moved per token per FFN unit per layer fwd (activation fn;
+    softmax_bytes_per_score: float = 11.95  # unfused attention: HBM bytes per score element fwd (write, read, mask, dropout)
+    hbm_eff: float = 0.904               # achieved fraction of HBM bandwidth for memory-bound kernels
+    elementwise_bytes_h: float = 24.45   # bytes moved per token per hidden unit per layer fwd (norms, residuals, rope, casts)
+    elementwise_bytes_f: float = 28.56    # bytes moved per token per FFN unit per layer fwd (activation fn;
     #                                         H200: compiled SwiGLU 28.8, tests/gpu/compare_gpu.py)
-    lp_cast_bytes: float = 3.103          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
-    kernel_overhead_s: float = 3.833e-06     # launch + tail per kernel (dominates small models)
-    host_op_s: float = 5.518e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
+    lp_cast_bytes: float = 3.112          # fp8/fp4: bytes moved per GEMM-input element to cast + transpose
+    kernel_overhead_s: float = 3.659e-06     # launch + tail per kernel (dominates small models)
+    host_op_s: float = 5.508e-05              # host time to issue one kernel from an eager framework (Python, autograd, launch)
     # --- communication ---
-    intra_bw_eff: float = 0.683          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
-    inter_bw_eff: float = 0.7462          # achieved NIC bandwidth fraction
-    tp_comm_overlap: float = 0.601        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
-    dp_overlap: float = 0.5174             # fraction of DP grad reduce / param gather that may hide under compute
+    intra_bw_eff: float = 0.6863          # achieved NVLink bus bandwidth fraction (NCCL busbw / link)
+    inter_bw_eff: float = 0.7503          # achieved NIC bandwidth fraction
+    tp_comm_overlap: float = 0.5981        # with TE userbuffers (job.tp_comm_overlap + SP): fraction of TP comm hidden under GEMMs
+    dp_overlap: float = 0.5168             # fraction of DP grad reduce / param gather that may hide under compute
     cp_overlap: float = 0.9             # fraction of ring-attention KV exchange hidden under attention compute
-    pp_overlap: float = 0.4848             # fraction of pipeline p2p hidden under compute
-    ep_overlap: float = 0.8054             # --overlap-moe-expert-parallel-comm: share of a merged fwd+bwd pair's compute the all-to-alls hide under
+    pp_overlap: float = 0.488             # fraction of pipeline p2p hidden under compute
+    ep_overlap: float = 0.8062             # --overlap-moe-expert-parallel-comm: share of a merged fwd+bwd pair's compute the all-to-alls hide under
     moe_imbalance: float = 1.05         # busiest expert rank load / mean (force-balanced routing ~1.0)
-    step_overhead_s: float = 0.01362       # per optimizer step fixed host work (logging, grad-norm, scheduler)
-    microbatch_overhead_s: float = 0.002399  # per micro-batch host work (data, schedule bookkeeping)
-    collective_latency_s: float = 1.483e-05  # fixed launch + synchronization cost of one NCCL collective
-    zero3_bw_eff: float = 0.1141           # DeepSpeed ZeRO-3's per-module gathers: fraction of the bus bandwidth reached
+    step_overhead_s: float = 0.01379       # per optimizer step fixed host work (logging, grad-norm, scheduler)
+    microbatch_overhead_s: float = 0.00243  # per micro-batch host work (data, schedule bookkeeping)
+    collective_latency_s: float = 1.48e-05  # fixed launch + synchronization cost of one NCCL collective
+    zero3_bw_eff: float = 0.1136           # DeepSpeed ZeRO-3's per-module gathers: fraction of the bus bandwidth reached
     # --- memory ---
     mem_fragmentation: float = 1.01     # allocator overhead on dynamic memory (expandable_segments, as NeMo recipes set)
 

@@ -54,7 +54,7 @@ def _problem(gpu="b200", recipe="mxfp8", precision="fp8", model="llama3-8b", **f
 
 def _shapes(T, tp):
     return SimpleNamespace(tokens=np.float32(T), tokens_elem=np.float32(T), tp=np.float32(tp), cp=np.float32(1.0),
-                           routed_tokens=np.float32(0.0), softmax_fallback=np.float32(0.0))
+                           ep=np.float32(1.0), routed_tokens=np.float32(0.0), softmax_fallback=np.float32(0.0))
 
 
 def _core(fp8, *, seq=16384.0, heads=32, head_dim=128, tp=1.0, window=0, gpu="h100"):
@@ -84,7 +84,8 @@ def test_fp8_attention_casts_q_k_v_forward_and_o_do_backward():
     M = {"hidden": h, "ffn": 14336.0, "expert_ffn": 0.0, "shared_ffn": 0.0, "experts": 0.0,
          "q_up_n": (heads + 2 * kv_heads) * d, "kv_up_n": 0.0, "attn_out_k": heads * d, "expert_bias": 0.0}
     H, e = {"hbm_bw": 3.35e12}, EfficiencyParams()
-    J = {"low_precision": 1.0, "permute_fusion": 1.0, "fp8_amax_pass": 0.0, "fp8_attention": 0.0}
+    J = {"low_precision": 1.0, "permute_fusion": 1.0, "fp8_amax_pass": 0.0, "fp8_attention": 0.0,
+         "flex_dispatch": 0.0, "allgather_dispatch": 0.0}
     off = compute.elementwise_s(_shapes(T, tp), M, H, J, e)[0]
     on = compute.elementwise_s(_shapes(T, tp), M, H, {**J, "fp8_attention": 1.0}, e)[0]
     forward_casts = T * (heads + 2 * kv_heads) * d / tp            # Q, K, V

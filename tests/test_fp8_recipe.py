@@ -48,13 +48,14 @@ def test_the_amax_pass_reads_each_cast_input_once_more():
     """The elementwise time of tensorwise minus delayed is 2 B per GEMM-input element, dense and MoE."""
     T, h, f, fe, E, ep, tp = 4096.0, 4096.0, 14336.0, 1536.0, 64.0, 8.0, 2.0
     routed = T / tp * 8.0
-    S = SimpleNamespace(tokens=np.float32(T), tokens_elem=np.float32(T), tp=np.float32(tp),
+    S = SimpleNamespace(tokens=np.float32(T), tokens_elem=np.float32(T), tp=np.float32(tp), ep=np.float32(ep),
                         routed_tokens=np.float32(routed))
     M = {"hidden": h, "ffn": f, "expert_ffn": fe, "shared_ffn": 0.0, "attn_out_k": 4096.0, "experts": E,
          "q_up_n": 6144.0, "kv_up_n": 0.0, "expert_bias": 0.0}
     H, e = {"hbm_bw": 3.35e12}, EfficiencyParams()
     bw = 3.35e12 * e.hbm_eff
-    base = {"low_precision": 1.0, "permute_fusion": 1.0, "fp8_amax_pass": 0.0, "fp8_attention": 0.0}
+    base = {"low_precision": 1.0, "permute_fusion": 1.0, "fp8_amax_pass": 0.0, "fp8_attention": 0.0,
+            "flex_dispatch": 0.0, "allgather_dispatch": 0.0}
     delayed = compute.elementwise_s(S, M, H, base, e)
     current = compute.elementwise_s(S, M, H, {**base, "fp8_amax_pass": 1.0}, e)
     cast_elems = (T * h + T * 4096.0 / tp, T * h + T * f / tp, 2.0 * routed * h + routed * fe)

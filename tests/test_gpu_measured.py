@@ -163,13 +163,14 @@ def test_expert_gemms_match_a_batched_gemm_at_every_size(moe):
     # 4.9 to 3.8 us, which the 128-token GEMMs of a few microseconds feel). The per-expert law it replaced is
     # 1.14-1.17x slower at 512 tokens per expert (fine-grained experts: Qwen3-30B-A3B and GPT-OSS dispatch
     # ~500-1000 per micro-batch), where the grouped one is the closer; at 128 the two are off by as much
-    # (grouped 0.82-0.84, per expert 1.11-1.17)
+    # (grouped 0.82-0.84, per expert 1.09-1.17; 1.11-1.17 until the alltoall sorts' refit of 2026-12-06 moved
+    # kernel_overhead_s from 3.8 to 3.7 us)
     by_m = moe["expert GEMMs model / measured by m_e"]
     assert len(by_m) >= 4
     for m_e, v in by_m.items():
         assert 0.80 < v["batched"] < 1.05, (m_e, v)
         if int(m_e) <= 512:
-            assert v["per_expert_law"] > 1.10, (m_e, v)
+            assert v["per_expert_law"] > 1.08, (m_e, v)
         if 128 < int(m_e) <= 512:
             assert abs(v["batched"] - 1.0) < abs(v["per_expert_law"] - 1.0), (m_e, v)
 
