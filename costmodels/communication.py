@@ -15,7 +15,10 @@ Sources
   [EPO] Megatron-Core MoE README, "EP A2A Overlap" (--overlap-moe-expert-parallel-comm, MCore 0.14):
         the forward of one micro-batch and the backward of another merged layer by layer, each one's
         all-to-alls under the other's compute; schedules.py: warm-up / cool-down passes stay unmerged.
-  [DEP] DeepEP README (normal kernels): a token crosses to another node once, then NVLink forwards it.
+  [DEP] DeepEP README (normal kernels): a token crosses to another node once, then NVLink forwards it;
+        inside a node it goes once to each rank holding one of its experts (csrc/kernels/intranode.cu).
+  [HEP] DeepEP hybrid-ep branch, Hybrid-EP_Intra-node_Implementation.md: HybridEP's measured intra-node
+        dispatch / combine bandwidth on B200 and GB200 (FLEX_NVL_EFF).
   [Z20] Rajbhandari et al. 2020 (ZeRO): stage 1/2 reduce-scatter + all-gather; stage 3 gathers
         parameters for forward and backward and reduce-scatters gradients (1.5x the traffic).
   [MG]  Megatron-LM distributed optimizer: reduce-scatter of gradients, all-gather of parameters,
@@ -34,7 +37,7 @@ from .params import EfficiencyParams
 #: NVLink efficiency of the flex dispatcher's own kernels, per byte a rank sends after deduplication: HybridEP's
 #: measured intra-node bandwidth on 8 B200 (hidden 7168, top-8, 16 SMs, through the Torch API: dispatch 536,
 #: combine 531 GB/s of "algorithm bandwidth", which counts a rank's copy to itself) is 7/8 x 534 = 467 GB/s of
-#: NVLink 5's 900 [DeepEP hybrid-ep branch, Hybrid-EP_Intra-node_Implementation.md]; on GB200, 8 ranks 0.53,
+#: NVLink 5's 900 [HEP]; on GB200, 8 ranks 0.53,
 #: 36 ranks 0.51. DeepEP's normal kernels on B200 reach 0.34-0.53 at 16-24 SMs (same table).
 FLEX_NVL_EFF = 0.52
 
