@@ -5,9 +5,11 @@ import datetime as _dt
 import os
 import re
 
+from dataclasses import replace
+
 from costmodels.plan import Plan, format_plan
-from costmodels.specs import spec_dict
-from search_spaces.space import KNOBS, Problem
+from costmodels.specs import DispatcherType, SpecError, spec_dict
+from search_spaces.space import KNOBS, Problem, check_plan
 
 from . import __version__
 from .labels import TIME_LABELS, plan_text, training_text  # noqa: F401 (re-exported: reports and the CLI use them)
@@ -93,8 +95,10 @@ def explain(best: dict, runner: dict | None, problem: Problem) -> str:
     text = (f"The fastest plan, {_layout(best['plan'])}, takes {step:.3g} s per step "
             f"({best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {best['mfu']:.1%}): {shares}. "
             f"It needs {mem['total']:.1f} of {mem['limit']:.1f} GB per GPU, mostly {big} ({mem[big]:.1f} GB).")
+    tail = ((_site_sentence(best["plan"], problem) if problem.cluster.num_sites > 1 else "")
+            + _host_sentence(best, problem) + _ep_sentence(best, problem))
     if runner is None:
-        return text + " It is the only plan that fits."
+        return text + " It is the only plan that fits." + tail
     slower = runner["step_time_s"] / step - 1.0
     diffs = sorted(((k, runner["time_breakdown_s"][k] - tb[k]) for k in tb), key=lambda kv: -abs(kv[1]))
     worse = [(k, d) for k, d in diffs if d > 0][:2]
@@ -106,9 +110,7 @@ def explain(best: dict, runner: dict | None, problem: Problem) -> str:
         k, d = better[0]
         text += f", which its {d:.3g} s less {TIME_LABELS[k]} does not make up"
     text += f"; it needs {runner['memory_gb']['total']:.1f} GB."
-    if problem.cluster.num_sites > 1:
-        text += _site_sentence(best["plan"], problem)
-    return text + _host_sentence(best, problem)
+    return text + tail
 
 
 #: a host wait above this share of the step is worth a sentence
@@ -132,6 +134,39 @@ def _host_sentence(best: dict, problem: Problem) -> str:
     cpu = f", and a host CPU that takes {x:g}x a DGX H100's Xeon time per op" if x != 1.0 else ""
     return (f" Its GPUs wait {share:.0%} of the step ({wait:.3g} s) for the host to issue kernels (small "
             f"kernels, eager launches{cpu}): {fix}.")
+
+
+#: exposed MoE all-to-alls above this share of the step are worth a sentence, if another dispatcher saves at least
+#: FLEX_WORTH_SAYING of the step
+EP_BOUND_SHARE = 0.10
+FLEX_WORTH_SAYING = 0.03
+#: the GPU families Megatron-Core's flex dispatcher runs on (DeepEP's kernels: Hopper; HybridEP: Hopper and Blackwell)
+FLEX_FAMILIES = frozenset({"hopper", "blackwell"})
+
+
+def _ep_sentence(best: dict, problem: Problem) -> str:
+    """Say when exposed all-to-alls take a large share of the step and the flex dispatcher (DeepEP / HybridEP),
+    which sends a token once per node and rank holding its experts, would cut them: the same plan re-scored."""
+    from .search import predict                          # search imports this module
+    step, a2a = best["step_time_s"], best["time_breakdown_s"].get("ep_comm", 0.0)
+    fw = problem.job.framework
+    if (a2a < EP_BOUND_SHARE * step or fw.moe_token_dispatcher_type is DispatcherType.FLEX
+            or problem.cluster.gpu.family not in FLEX_FAMILIES):
+        return ""
+    try:
+        flex = replace(problem, job=replace(problem.job, framework=replace(
+            fw, moe_token_dispatcher_type=DispatcherType.FLEX)))
+        plan = Plan.from_dict(best["plan"])
+        check_plan(plan, flex)
+        got = predict(flex, plan)
+    except (SpecError, ValueError, KeyError, TypeError):
+        return ""                                        # a plan or option flex cannot run: nothing to suggest
+    if got["step_time_s"] > (1.0 - FLEX_WORTH_SAYING) * step:
+        return ""
+    return (f" Its all-to-alls take {a2a / step:.0%} of the step ({a2a:.3g} s) with the "
+            f"{fw.moe_token_dispatcher_type.value} dispatcher: `--moe-token-dispatcher-type flex` (DeepEP / HybridEP, "
+            f"a token sent once to each node and rank holding its experts) would take "
+            f"{got['time_breakdown_s']['ep_comm']:.3g} s of them and {got['step_time_s']:.3g} s per step.")
 
 
 def _site_sentence(plan: dict, problem: Problem) -> str:

@@ -307,3 +307,34 @@ def test_a_bridge_row_with_tensor_parallelism_overlaps_tp_as_its_recipe_did(row_
     row = next(r for r in load_dataset("public") if r.get("id") == row_id)
     assert row["plan"]["tp"] == 2
     assert case_from_row(row).problem.job.framework.tp_comm_overlap is overlap
+
+
+#: Qwen3-30B-A3B on one 8-GPU B200 node, EP 8: the all-to-alls are a fifth of the step
+ONE_NODE = dict(model="qwen3-30b-a3b", gpu="b200", gpus=8, global_batch=256, seq_len=4096)
+ONE_NODE_PLAN = "tp=1,pp=1,ep=8,mbs=4,zero=1"
+
+
+def _explained(gpu: str = "b200", **fw):
+    from autotune.report import explain
+    problem = api.build_problem(**{**ONE_NODE, "gpu": gpu}, framework=fw)
+    best = api.predict_plan(problem, api.plan_from_text(ONE_NODE_PLAN, problem))
+    return problem, best, explain(best, None, problem)
+
+
+def test_explanation_suggests_flex_when_the_all_to_alls_weigh_and_flex_saves():
+    problem, best, text = _explained()
+    assert best["time_breakdown_s"]["ep_comm"] > 0.1 * best["step_time_s"]
+    flex_problem = api.build_problem(**ONE_NODE, framework={"moe_token_dispatcher_type": "flex"})
+    flex = api.predict_plan(flex_problem, api.plan_from_text(ONE_NODE_PLAN, flex_problem))
+    assert flex["step_time_s"] < 0.97 * best["step_time_s"]
+    assert "--moe-token-dispatcher-type flex" in text
+    assert f"{flex['step_time_s']:.3g} s per step" in text
+
+
+@pytest.mark.parametrize("gpu, fw", [
+    ("b200", {"moe_token_dispatcher_type": "flex"}),   # already flex
+    ("a100-80gb", {}),                                  # DeepEP / HybridEP run on Hopper and Blackwell only
+])
+def test_explanation_does_not_suggest_flex_where_it_cannot_help(gpu, fw):
+    _, _, text = _explained(gpu, **fw)
+    assert "--moe-token-dispatcher-type flex" not in text
