@@ -407,9 +407,14 @@ def dense_mlp_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
     return gemm(T, f * (1.0 + M["gated"]) / tp, h) + gemm(T, h, f / tp)
 
 
+def local_experts(S: Shapes, M: dict):
+    """Experts per EP rank; a dense model counts as one expert (1 / ep: no sorts, and is_moe gates the rest)."""
+    return jnp.maximum(M["experts"], 1.0) / S.ep
+
+
 def expert_gemms_s(S: Shapes, M: dict, gemm):
     """The local experts' fc1 and fc2, each one grouped GEMM over them (moe_mlp_s); m_e tokens per expert."""
-    n_local = jnp.maximum(M["experts"], 1.0) / S.ep
+    n_local = local_experts(S, M)
     fe, m_e, h = M["expert_ffn"], S.expert_tokens, M["hidden"]
     return gemm(m_e, fe * (1.0 + M["gated"]) / S.etp, h, n_local), gemm(m_e, h, fe / S.etp, n_local)
 
@@ -454,13 +459,13 @@ def elementwise_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
 def sorts_by_local_expert(S: Shapes, M: dict, J: dict):
     """1 where the dispatcher sorts received tokens by local expert (alltoall with several local experts)."""
     alltoall = 1.0 - J["flex_dispatch"] - J["allgather_dispatch"]
-    return alltoall * (M["experts"] / S.ep > 1.0)
+    return alltoall * (local_experts(S, M) > 1.0)
 
 
 def moe_kernels(S: Shapes, M: dict, J: dict):
     """Kernels an MoE layer launches beyond a dense one: the dispatcher's, and each local expert's
     GEMMs, activation and (in low precision) input casts."""
-    local = jnp.maximum(M["experts"], 1.0) / S.ep
+    local = local_experts(S, M)
     per_expert = (KERNELS_PER_LOCAL_EXPERT + J["low_precision"] * KERNELS_PER_LOCAL_EXPERT_LOW_PRECISION
                   + M["expert_bias"] * EXPERT_BIAS_KERNELS_PER_LOCAL_EXPERT)
     return MOE_EXTRA_KERNELS + local * per_expert
@@ -472,7 +477,7 @@ def fp8_amax_pass_kernels(S: Shapes, M: dict, J: dict):
     them from C++ inside the one quantize call (multi_tensor_quantize_impl quantizes expert by expert), so
     they cost GPU time, not host ops."""
     per_block = J["fp8_amax_pass"] * FP8_AMAX_PASS_KERNELS_PER_CAST * GEMMS_PER_BLOCK
-    moe_blocks = 1.0 + jnp.maximum(M["experts"], 1.0) / S.ep + (M["shared_ffn"] > 0)
+    moe_blocks = 1.0 + local_experts(S, M) + (M["shared_ffn"] > 0)
     return 2.0 * per_block, moe_blocks * per_block
 
 
@@ -583,7 +588,7 @@ def lora_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams):
         return adapters(lora_mlp_linears(M, f), tokens, shard) * (f > 0)
 
     attn = adapters(lora_attention_linears(M), T, tp)
-    n_local = jnp.maximum(M["experts"], 1.0) / S.ep
+    n_local = local_experts(S, M)
     moe = n_local * mlp(S.expert_tokens, M["expert_ffn"], S.etp) + mlp(T, M["shared_ffn"], tp)
     return attn + mlp(T, M["ffn"], tp), attn + moe * S.is_moe
 
