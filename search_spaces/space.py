@@ -77,7 +77,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     # layer's slot in the even split
     Knob("account_for_embedding", "Acc. emb.", lambda p: (0, 1), lambda v: "yes" if v else "no"),
     Knob("account_for_loss", "Acc. loss", lambda p: (0, 1), lambda v: "yes" if v else "no"),
-    # 0 = even split / every layer; rules below bound them by the plan's stage and chunk sizes
+    # 0 = even split / every layer; rules below bound them by the plan's stage and chunk sizes. Optuna samples
+    # every value; enumeration adds only uneven_splits' balanced pairs (_uneven_outer), not the whole range
     Knob("first_layers", "First", lambda p: tuple(range(0, (p.model.num_layers + 1) // 2)),
          lambda v: str(v) if v else "even", exhaustive=False),
     Knob("last_layers", "Last", lambda p: tuple(range(0, (p.model.num_layers + 1) // 2)),
@@ -560,6 +561,51 @@ OUTER_KEYS = ("tp", "cp", "pp", "ep", "etp", "vpp", "account_for_embedding", "ac
               "first_layers", "last_layers", "layout")
 
 
+#: at most this many (first_layers, last_layers) pairs per (pp, vpp) in the exhaustive search
+UNEVEN_PAIRS_MAX = 4
+
+
+def uneven_splits(num_layers: int, pp: int, vpp: int) -> tuple:
+    """The (first_layers, last_layers) pairs the exhaustive search tries for pp ranks of vpp chunks each
+    (Megatron-Core --decoder-first/last-pipeline-num-layers): the middle ranks take k layers, ceil(L / pp)
+    rounded up to a multiple of vpp, and the first and last ranks share the rest, each a multiple of vpp
+    between vpp and k. That is how a layer count pp does not divide gets pipelined (DeepSeek-V3's 61 layers
+    on 16 ranks: 4 + 14 x 4 + 1, Megatron-Bridge's DeepSeek-V3 recipe of 26.02): without these the search
+    saw no pipeline for it at all. The even split itself is not repeated. Both extremes (the lightest first
+    rank, holding the embedding, and the lightest last rank, holding the loss and any MTP layers) and the
+    most balanced pairs, UNEVEN_PAIRS_MAX at most; the Optuna search tries every value."""
+    if pp < 2 or vpp < 1:
+        return ()
+    k = -(-num_layers // (pp * vpp)) * vpp
+    rest = num_layers - (pp - 2) * k
+    if pp > 2 and k < vpp:
+        return ()
+    firsts = [f for f in range(max(vpp, rest - k), min(k, rest - vpp) + 1)
+              if f % vpp == 0 and (rest - f) % vpp == 0 and not (f == k and rest - f == k)]
+    if len(firsts) > UNEVEN_PAIRS_MAX:
+        middle = sorted(firsts[1:-1], key=lambda f: (abs(2 * f - rest), f))[:UNEVEN_PAIRS_MAX - 2]
+        firsts = sorted({firsts[0], firsts[-1], *middle})
+    return tuple((f, rest - f) for f in firsts)
+
+
+def _uneven_outer(problem: Problem, dom: dict) -> dict | None:
+    """Outer-grid rows with uneven pipeline stages (`uneven_splits`) for every pp and vpp of the domains, when
+    the caller fixed neither stage size, nor a layout, nor the embedding / loss accounting, and the framework
+    has the flags (Megatron-DeepSpeed balances stages itself)."""
+    if (_deepspeed(problem) or dom["first_layers"] != (0,) or dom["last_layers"] != (0,) or dom["layout"] != (0,)
+            or 0 not in dom["account_for_embedding"] or 0 not in dom["account_for_loss"]):
+        return None
+    split = [(pp, v, f, l) for pp in dom["pp"] for v in dom["vpp"]
+             for f, l in uneven_splits(problem.model.num_layers, int(pp), int(v))]
+    if not split:
+        return None
+    cols = np.asarray(split, dtype=np.int64).T
+    group = {"pp": cols[0], "vpp": cols[1], "first_layers": cols[2], "last_layers": cols[3]}
+    zeros = {k: np.zeros(1, dtype=np.int64) for k in ("account_for_embedding", "account_for_loss", "layout")}
+    return _product([{k: np.asarray(dom[k], dtype=np.int64)} for k in ("tp", "cp", "ep", "etp")] + [group]
+                    + [{k: v} for k, v in zeros.items()])
+
+
 def _recompute_pairs(dom: dict) -> dict:
     """The (recompute, recompute_modules) pairs that can be legal: modules only with selective."""
     rec = np.repeat(np.asarray(dom["recompute"], dtype=np.int64), len(dom["recompute_modules"]))
@@ -608,6 +654,9 @@ def enumerate_legal(problem: Problem, fixed: dict | None = None,
     n_inner = len(inner["mbs"])
     n_inner_raw = n_inner + n_bad_pairs * int(np.prod([len(g[next(iter(g))]) for g in inner_singles]))
     outer = _product([{k: np.asarray(dom[k], dtype=np.int64)} for k in OUTER_KEYS])
+    uneven = _uneven_outer(problem, dom)
+    if uneven is not None:
+        outer = {k: np.concatenate([v, uneven[k]]) for k, v in outer.items()}
     n_outer = len(outer["tp"])
     stats.total = n_outer * n_inner_raw
     # dp derived from the GPU count; a mesh whose tp*cp*pp does not divide it is illegal ("gpus")

@@ -23,7 +23,7 @@ from costmodels.presets import build_cluster
 from costmodels.specs import (CudaGraphImpl, CudaGraphModule, DispatcherType, Framework, FrameworkSpec, JobSpec, ModelSpec, Precision,
                               Recompute, SpecError)
 from search_spaces.space import (RULES, Problem, check_plan, check_rows, count_legal, domains,
-                                 enumerate_legal)
+                                 enumerate_legal, uneven_splits)
 
 RUNS_FILE = Path(dataset_path("public"))      # the bundled copy of shared/validation/public_runs.json
 
@@ -357,7 +357,11 @@ def test_counts_add_up(enumerated):
     problem, batches, stats = enumerated
     dom = domains(problem)
     raw = int(np.prod([len(v) for v in dom.values()]))
-    assert stats.total == raw
+    # plus the uneven pipeline splits: every (pp, vpp)'s (first, last) pairs times the other knobs
+    pairs = sum(len(uneven_splits(problem.model.num_layers, pp, v)) for pp in dom["pp"] for v in dom["vpp"])
+    others = int(np.prod([len(v) for k, v in dom.items() if k not in (
+        "pp", "vpp", "first_layers", "last_layers", "account_for_embedding", "account_for_loss")]))
+    assert stats.total == raw + pairs * others
     assert stats.legal == sum(len(b) for b in batches) > 0
     assert stats.legal + sum(stats.illegal.values()) == stats.total
     assert all(c > 0 for c in stats.illegal.values())
@@ -378,10 +382,15 @@ def test_enumerated_plans_are_legal_and_dp_is_derived(enumerated):
     # no duplicates
     keys = np.stack([rows[f] for f in PLAN_FIELDS], axis=1)
     assert len(np.unique(keys, axis=0)) == len(keys)
-    # every enumerated value comes from its knob's domain
+    # every enumerated value comes from its knob's domain; the stage sizes (not exhaustive knobs) from the
+    # uneven splits of the plan's own pp and vpp
     dom = domains(problem)
     for f, values in dom.items():
-        assert set(np.unique(rows[f]).tolist()) <= set(values), f
+        if f not in ("first_layers", "last_layers"):
+            assert set(np.unique(rows[f]).tolist()) <= set(values), f
+    uneven = (rows["first_layers"] > 0) | (rows["last_layers"] > 0)
+    for pp, v, first, last in set(zip(*(rows[f][uneven].tolist() for f in ("pp", "vpp", "first_layers", "last_layers")))):
+        assert (first, last) in uneven_splits(problem.model.num_layers, pp, v)
 
 
 def test_fixed_knobs_pin_the_space(enumerated):
@@ -506,3 +515,57 @@ def test_the_distributed_optimizer_at_dp_1_is_legal_only_for_fp8_primary_weights
     check_plan(plan, Problem(DENSE, cluster8, fp8))
     with pytest.raises(SpecError, match="zero_needs_dp"):
         check_plan(plan, Problem(DENSE, cluster8, JobSpec(global_batch=32, seq_len=1024)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Uneven pipeline stages in the exhaustive search (--decoder-first/last-pipeline-num-layers)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layers, pp, vpp, expected, source", [
+    # DeepSeek-V3's 61 layers on 16 ranks: Megatron-Bridge's 26.02 recipe runs the layout Et*4|(t*4|)*14t*1mL,
+    # i.e. 4 layers first, 14 ranks of 4, 1 layer last (and the MTP module, which first/last do not count)
+    (61, 16, 1, (4, 1), "Megatron-Bridge DeepSeek-V3 recipe, 26.02"),
+    # Llama 3 405B's 126 layers on 16 stages: "we reduce one Transformer layer each from the first and the last
+    # stages" (Llama Team, The Llama 3 Herd of Models, 2024, sec. 3.3.2)
+    (126, 16, 1, (7, 7), "Llama 3 paper, sec. 3.3.2"),
+])
+def test_uneven_splits_contain_the_published_pipelines(layers, pp, vpp, expected, source):
+    assert expected in uneven_splits(layers, pp, vpp), source
+
+
+def test_uneven_splits_never_repeat_the_even_split():
+    assert uneven_splits(32, 4, 1) == ()
+    assert uneven_splits(80, 4, 2) == ()
+    assert uneven_splits(61, 1, 1) == ()
+
+
+@pytest.mark.parametrize("layers", [24, 36, 61, 80, 94, 96, 126])
+@pytest.mark.parametrize("pp", [2, 3, 4, 8, 16])
+@pytest.mark.parametrize("vpp", [1, 2, 3, 4])
+def test_uneven_splits_are_balanced_and_legal(layers, pp, vpp):
+    """Each pair leaves the middle ranks ceil(L / pp) layers rounded up to vpp, every stage a multiple of vpp
+    and no stage heavier than a middle one; Megatron's rules (check_plan) accept every pair."""
+    pairs = uneven_splits(layers, pp, vpp)
+    assert len(pairs) <= 4
+    k = -(-layers // (pp * vpp)) * vpp
+    problem = build_problem(model="llama3-8b", gpu="h100", gpus=pp, global_batch=64, seq_len=2048)
+    problem = replace(problem, model=replace(problem.model, num_layers=layers))
+    for first, last in pairs:
+        assert first + last + (pp - 2) * k == layers
+        assert first % vpp == 0 and last % vpp == 0
+        assert vpp <= first <= k and vpp <= last <= k
+        check_plan(Plan(pp=pp, vpp=vpp, dp=1, first_layers=first, last_layers=last), problem)
+
+
+def test_the_search_finds_deepseek_v3s_pipeline():
+    """DeepSeek-V3 (61 layers) on 256 B200: no even split exists for pp 4-16, and the search used to recommend
+    a ZeRO-3 plan without a pipeline at 1.4x the step the model itself gives the recipe's 16-stage pipeline.
+    The best plan must be at least as fast as the Megatron-Bridge recipe's (26.02: TP1 PP16 EP8, 4 layers
+    first and 1 last) scored by the same model, and so has a pipeline."""
+    from autotune import api
+    problem = api.build_problem(model="deepseek-v3", gpu="b200", gpus=256, global_batch=4096, seq_len=4096,
+                                precision="fp8")
+    recipe = api.plan_from_text("tp=1,pp=16,ep=8,mbs=1,recompute=none,zero=1,first_layers=4,last_layers=1", problem)
+    best = api.search(problem, top_k=1).best
+    assert best["plan"]["pp"] > 1 and (best["plan"]["first_layers"] or best["plan"]["last_layers"])
+    assert best["step_time_s"] <= api.predict_plan(problem, recipe)["step_time_s"] * (1 + 1e-6)
