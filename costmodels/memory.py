@@ -229,6 +229,36 @@ def offload_copy_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams, n,
     return n_off * (jnp.maximum(t_copy - fwd, 0.0) + jnp.maximum(t_copy - bwd, 0.0))
 
 
+class Zero3Buffers(NamedTuple):
+    params: object           # bytes of unsharded parameters live at once
+    grads: object            # bytes of unsharded gradients live at once, before their reduce-scatter
+
+
+def zero3_unit_bytes(S: Shapes, M: dict, J: dict) -> Zero3Buffers:
+    """What ZeRO-3 / FSDP holds unsharded beside the shards.
+
+    Megatron-FSDP gathers and reduce-scatters whole FSDP units, one per transformer layer (mcore_fsdp_adapter.py:
+    fsdp_unit_modules = [TransformerLayer, MoETransformerLayer, MambaLayer] with data_parallel_sharding_strategy
+    optim_grads_params), and prefetches the next unit while one computes: two layers' parameters live at once
+    (the gathered dtype: bf16, or fp8 with --fp8-param-gather), and in the backward two layers' gradients before
+    their reduce-scatter (the reduction dtype; rank_memory counts the second where it outgrows the activations
+    its layer's backward freed). A layer is this rank's share of it: its attention and MLP / shared
+    experts over tp, its routed experts over ep x etp; the larger of a dense and an MoE layer. An XLA-compiled
+    step gathers per layer of its scan alike. DeepSpeed's stage 3 gathers module by module, prefetching the next
+    (stage3_prefetch_bucket_size): two of the largest weight matrices, and its gradients reduce per module."""
+    h, g, tp = M["hidden"], M["gated"], S.tp
+    largest_matrix = jnp.maximum(jnp.maximum(M["ffn"], M["q_up_n"]) * h, M["expert_ffn"] * h * (1.0 + g)) / tp
+    dense_layer = (M["attn_params"] + M["dense_mlp_params"]) / tp
+    moe_layer = ((M["attn_params"] + M["shared_ffn"] * h * (2.0 + g) + M["router_params"]) / tp
+                 + M["experts"] * M["expert_params"] / (S.ep * S.etp))
+    fm = S.frac_moe
+    layer = jnp.where(fm > 0, jnp.maximum(jnp.where(fm < 1, dense_layer, 0.0), moe_layer), dense_layer)
+    deepspeed = J["deepspeed"] > 0
+    params = jnp.where(deepspeed, 2.0 * J["weight_bytes"] * largest_matrix, 2.0 * J["primary_weight_bytes"] * layer)
+    grads = jnp.where(deepspeed, 0.0, 2.0 * J["grad_bytes"] * layer * (1.0 - J["lora"]))
+    return Zero3Buffers(params, grads)
+
+
 def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataParallelGroups,
                 n, n_recomputed, params: StageParams, rank, holds_logits, acts: ActivationBytes) -> Memory:
     """Memory of pipeline rank `rank` holding n layers (n_recomputed of them fully recomputed). With LoRA the
@@ -239,14 +269,16 @@ def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataPa
     z = S.zero
     z3 = (z == 3).astype(jnp.float32)
     wbytes = J["primary_weight_bytes"] + J["low_precision"] * LOW_PRECISION_WEIGHT_COPY_BYTES
-    # ZeRO-3 gathers one weight matrix at a time and prefetches the next: two of the largest live
-    h, g = M["hidden"], M["gated"]
-    largest_matrix = jnp.maximum(jnp.maximum(M["ffn"], M["q_up_n"]) * h, M["expert_ffn"] * h * (1.0 + g)) / S.tp
     per_layer = jnp.where(S.rec_sel > 0, acts.selective, acts.none)
     act_stage = n_recomputed * acts.full + (n - n_recomputed - offloaded_layers(J, n)) * per_layer
-    weights = (wbytes * sharded(params, groups, z >= 3) + z3 * 2.0 * J["weight_bytes"] * largest_matrix
-               + J["weight_bytes"] * adapters)
-    gradients = J["grad_bytes"] * sharded(trained, groups, z >= 2)
+    fsdp = zero3_unit_bytes(S, M, J)
+    # the activation peak opens the backward: one unit's gradients are live there; the second appears one layer
+    # later, once that layer's stored activations are freed, so it adds only what exceeds them
+    freed = jnp.where(n_recomputed > 0, acts.full, per_layer)
+    unit_grads = fsdp.grads / 2.0
+    weights = (wbytes * sharded(params, groups, z >= 3) + z3 * fsdp.params + J["weight_bytes"] * adapters)
+    gradients = (J["grad_bytes"] * sharded(trained, groups, z >= 2)
+                 + z3 * (unit_grads + jnp.maximum(unit_grads - freed, 0.0)))
     # a backward pass's own gradient buffer (FrameworkSpec.microbatch_grad_buffer): beside an accumulator
     # (several micro-batches without a pipeline) or a ZeRO-2/3 shard; else it is the gradient itself
     own_buffer = ((S.micro_batches > 1) & (S.pp == 1)) | (z >= 2)

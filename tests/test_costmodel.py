@@ -351,15 +351,18 @@ def test_static_memory_by_zero_stage(tied, plan):
     shards = plan.dp * plan.cp
     opt = 12.0 * p / (shards if plan.zero >= 1 else 1)
     grads = 4.0 * p / (shards if plan.zero >= 2 else 1)
+    # Megatron-FSDP gathers one transformer layer per FSDP unit and prefetches the next: two layers' bf16 weights
+    # and, before their reduce-scatter, two layers' fp32 gradients live unsharded (mcore_fsdp_adapter.py)
+    layer = (m.attention_params() + m.mlp_params(m.ffn_hidden_size)) / plan.tp
+    units = 2.0 * layer if plan.zero == 3 else 0.0
     assert out["memory.optimizer"][0] == pytest.approx(opt, rel=MEM_RTOL)
-    assert out["memory.gradients"][0] == pytest.approx(grads, rel=MEM_RTOL)
+    # (the second unit's gradients only where they outgrow the activations a layer's backward frees: one to two)
+    g = out["memory.gradients"][0]
+    assert (grads + 2.0 * units) * (1 - MEM_RTOL) <= g <= (grads + 4.0 * units) * (1 + MEM_RTOL)
     if plan.zero < 3:
         assert out["memory.weights"][0] == pytest.approx(2.0 * p, rel=MEM_RTOL)
     else:
-        # the weight shard plus gather/prefetch buffers of at most two layers' weights
-        sharded = 2.0 * p / shards
-        layer = (m.attention_params() + m.mlp_params(m.ffn_hidden_size)) / plan.tp
-        assert sharded * (1 - MEM_RTOL) <= out["memory.weights"][0] <= sharded * (1 + MEM_RTOL) + 2 * 2.0 * layer
+        assert out["memory.weights"][0] == pytest.approx(2.0 * p / shards + 2.0 * units, rel=MEM_RTOL)
 
 
 def test_low_precision_weights_add_a_cached_copy():

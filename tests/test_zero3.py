@@ -137,3 +137,43 @@ def test_the_megatron_lm_readme_runs_ran_the_distributed_optimizer():
     row = next(r for r in load_runs(dataset_path("public")) if r["id"] == "megatronlm-readme-h100-weak-32B")
     case = case_from_row(row)
     assert case.fixed["zero"] == 1 and "zero" not in case.filled
+
+
+# Megatron-FSDP's unsharded buffers. Golden: Llama-3 8B's parameters counted from its Hugging Face config
+# (hidden 4096, 32 heads, 8 KV heads of 128, FFN 14336 SwiGLU, vocab 128256 untied, 32 layers): one layer is
+# q 4096^2 + k, v 2 x 4096 x 1024 + o 4096^2 + MLP 3 x 4096 x 14336 + 2 norms of 4096 = 218,112,000; the model
+# 32 layers + 2 embeddings of 128256 x 4096 + the final norm = 8,030,261,248. Megatron-FSDP gathers one FSDP unit
+# per transformer layer and prefetches the next (mcore_fsdp_adapter.py: fsdp_unit_modules = [TransformerLayer,
+# MoETransformerLayer, MambaLayer]): two layers' bf16 parameters and, in the backward, two layers' gradients
+# (fp32 by default, bf16 with --grad-reduce-in-bf16) live beside the shards. The activation peak opens the
+# backward with one unit's gradients; the second comes once a layer's backward has freed its activations, which
+# without recomputation (~34 s h bytes per layer [K22], 1.1 GB here) outweigh a unit's gradients (0.9 GB).
+LLAMA3_8B_LAYER, LLAMA3_8B_PARAMS = 218_112_000, 8_030_261_248
+
+
+@pytest.mark.parametrize("grad_fp32, grad_bytes", [(True, 4.0), (False, 2.0)])
+def test_megatron_fsdp_holds_two_layers_unsharded(grad_fp32, grad_bytes):
+    gpus = 8
+    problem = build_problem(model="llama3-8b", gpu="h100", gpus=gpus, global_batch=64, seq_len=8192,
+                            framework={"grad_reduce_in_fp32": grad_fp32})
+    mem = predict_plan(problem, Plan.from_dict(dict(tp=1, pp=1, dp=gpus, mbs=1, recompute="none", zero=3)),
+                       memory_limit_gb=1e9)["memory_gb"]
+    shards_w, shards_g = 2.0 * LLAMA3_8B_PARAMS / gpus, grad_bytes * LLAMA3_8B_PARAMS / gpus
+    assert mem["weights"] * 1e9 == pytest.approx(shards_w + 2 * 2.0 * LLAMA3_8B_LAYER, rel=2e-3)
+    assert mem["gradients"] * 1e9 == pytest.approx(shards_g + 1 * grad_bytes * LLAMA3_8B_LAYER, rel=2e-3)
+
+
+def test_megatron_fsdp_units_hold_a_ranks_local_experts():
+    """Mixtral 8x7B (8 experts of 3 x 4096 x 14336 = 176,160,768): a unit holds the experts of its EP rank, so
+    EP 1 holds 7 experts more per unit than EP 8, two units of parameters (bf16) and of gradients (fp32: with full
+    recomputation a layer's backward frees only its input, so both units' gradients count)."""
+    def mem(ep):
+        problem = build_problem(model="mixtral-8x7b", gpu="h100", gpus=64, global_batch=512, seq_len=4096,
+                                framework={"grad_reduce_in_fp32": True})
+        plan = Plan.from_dict(dict(tp=1, pp=1, dp=64, ep=ep, mbs=1, recompute="full", zero=3))
+        return predict_plan(problem, plan, memory_limit_gb=1e9)["memory_gb"]
+    one, eight = mem(1), mem(8)
+    expert = 176_160_768
+    # the shards do not depend on EP (all 64 ranks shard the experts either way: expert-DP 64 / ep x ep)
+    assert (one["weights"] - eight["weights"]) * 1e9 == pytest.approx(2 * 2.0 * 7 * expert, rel=2e-3)
+    assert (one["gradients"] - eight["gradients"]) * 1e9 == pytest.approx(2 * 4.0 * 7 * expert, rel=2e-3)
