@@ -239,10 +239,10 @@ class LegalSampler(BaseSampler):
         counts = [c for c in self.space.counts if self.space.has_legal(c)]
         for _ in range(64):
             n = int(rng.choice(counts))
-            rows = self.space.table(n).rows
-            row = rows[int(rng.integers(len(rows)))]
-            params = self.space.params_of(n, {**self.space.enumerated_extras(),
-                                              **{k: int(v) for k, v in zip(TABLE_KNOBS, row)}})
+            table = self.space.table(n)
+            i = int(rng.integers(len(table.rows)))
+            params = self.space.params_of(n, {**table.extras_of(i),
+                                              **{k: int(v) for k, v in zip(TABLE_KNOBS, table.rows[i])}})
             if self._key(params) not in tried:
                 return params
         return None
@@ -286,9 +286,9 @@ class LegalGridSampler(BaseSampler):
         k = int(self._order[i % max(self.size, 1)])
         for start, n, size in self._offsets:
             if start <= k < start + size:
-                row = self.space.table(n).rows[k - start]
-                return self.space.params_of(n, {**self.space.enumerated_extras(),
-                                                **{name: int(v) for name, v in zip(TABLE_KNOBS, row)}})
+                table = self.space.table(n)
+                return self.space.params_of(n, {**table.extras_of(k - start),
+                                                **{name: int(v) for name, v in zip(TABLE_KNOBS, table.rows[k - start])}})
         raise IndexError(i)
 
     def infer_relative_search_space(self, study, trial):

@@ -157,11 +157,11 @@ class TableSampler(BaseSampler):
             return None
         per = rng.multinomial(self.candidates, sizes / sizes.sum()) if len(counts) > 1 else [self.candidates]
         parts = []
-        extras = self.space.enumerated_extras()
         for n, k, size, (ok, _) in zip(counts, per, sizes.astype(int), subsets):
             if k == 0 or size == 0:
                 continue
-            rows = self.space.table(n).rows
+            table = self.space.table(n)
+            rows = table.rows
             idx = rng.permutation(size)[:k] if size <= 4 * k else rng.integers(size, size=k)
             if ok is not None:
                 idx = ok[idx]
@@ -171,8 +171,8 @@ class TableSampler(BaseSampler):
                     cols.append(np.full(len(idx), n, dtype=np.int64))
                 elif name in TABLE_KNOBS:
                     cols.append(rows[idx, TABLE_KNOBS.index(name)].astype(np.int64))
-                else:
-                    cols.append(np.full(len(idx), int(extras[name]), dtype=np.int64))
+                else:                  # an Optuna-only knob as enumeration set it (0, fixed, an uneven split)
+                    cols.append(table.extras[name][idx].astype(np.int64))
             parts.append(np.stack(cols, axis=1))
         cands = np.concatenate(parts)
         keys = self._keys(cands)

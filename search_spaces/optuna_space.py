@@ -35,7 +35,8 @@ import numpy as np
 from costmodels.plan import PLAN_FIELDS, PlanBatch
 from costmodels.specs import SpecError
 
-from .space import KNOBS, OPTUNA_ONLY_KNOBS, Problem, SpaceStats, domains, enumerate_legal, legal_values_of
+from .space import (KNOBS, OPTUNA_ONLY_KNOBS, Problem, SpaceStats, check_rows, domains, enumerate_legal,
+                    legal_values_of)
 
 if TYPE_CHECKING:        # Optuna is imported where a study uses the space (0.1-0.3 s to import)
     import optuna
@@ -49,6 +50,9 @@ SAMPLED = tuple(k for k in KNOBS if k != "dp")
 #: legal values are found by the rules, given the rest of the plan
 TABLE_KNOBS = tuple(k for k in SAMPLED if k not in OPTUNA_ONLY_KNOBS)
 assert SAMPLED[:len(TABLE_KNOBS)] == TABLE_KNOBS
+#: Optuna-only knobs sampled before a partner they are legal only with: a pipeline size that does not divide the
+#: layers needs both end stages set (--decoder-first- and --decoder-last-pipeline-num-layers)
+PAIRED_EXTRAS = {"first_layers": "last_layers"}
 #: How far (in layers) a local move takes an Optuna-only knob (besides back to 0)
 EXTRA_STEPS = 2
 #: How many per-count tables of legal plans stay in memory (a GPU range may visit many counts).
@@ -170,10 +174,16 @@ class _Table:
 
     def __init__(self, problem: Problem, fixed: dict | None):
         stream, stats = enumerate_legal(problem, fixed)
-        parts = [np.stack([np.asarray(b[k], dtype=np.int16) for k in TABLE_KNOBS], axis=1) for b in stream]
-        rows = np.concatenate(parts) if parts else np.empty((0, len(TABLE_KNOBS)), dtype=np.int16)
+        width = len(TABLE_KNOBS) + len(OPTUNA_ONLY_KNOBS)
+        parts = [np.stack([np.asarray(b[k], dtype=np.int16) for k in TABLE_KNOBS + OPTUNA_ONLY_KNOBS], axis=1)
+                 for b in stream]
+        both = np.concatenate(parts) if parts else np.empty((0, width), dtype=np.int16)
+        rows = both[:, :len(TABLE_KNOBS)]
         order = np.lexsort(rows.T[::-1]) if len(rows) else np.empty(0, dtype=np.int64)
         self.rows = rows[order]
+        # the Optuna-only knobs as enumeration set them, row by row: the value the user fixed, else 0, except the
+        # uneven pipeline splits enumeration adds (space.uneven_splits), whose rows differ only there
+        self.extras = {k: both[order, len(TABLE_KNOBS) + i] for i, k in enumerate(OPTUNA_ONLY_KNOBS)}
         self.stats: SpaceStats = stats
         self._slices = LRU(SLICE_CACHE)
         self._values = LRU(SLICE_CACHE)
@@ -208,9 +218,14 @@ class _Table:
         out.flags.writeable = False
         return out
 
-    def batch(self, gpus: int, extras: dict) -> PlanBatch:
-        arrays = {k: self.rows[:, i].astype(np.int32) for i, k in enumerate(TABLE_KNOBS)}
-        arrays.update({k: np.full(len(self.rows), int(v), dtype=np.int32) for k, v in extras.items()})
+    def extras_of(self, i: int) -> dict:
+        """The Optuna-only knobs of row i as enumerated."""
+        return {k: int(v[i]) for k, v in self.extras.items()}
+
+    def batch(self, gpus: int, index=slice(None)) -> PlanBatch:
+        """The rows (all, or a slice) as plans for `gpus` GPUs."""
+        arrays = {k: self.rows[index, i].astype(np.int32) for i, k in enumerate(TABLE_KNOBS)}
+        arrays.update({k: v[index].astype(np.int32) for k, v in self.extras.items()})
         arrays["dp"] = (gpus // (arrays["tp"] * arrays["cp"] * arrays["pp"])).astype(np.int32)
         return PlanBatch({f: arrays[f] if f in arrays else np.zeros(len(arrays["tp"]), dtype=np.int32) for f in PLAN_FIELDS})
 
@@ -304,11 +319,7 @@ class PlanSpace:
 
     def legal_plans(self, n: int) -> PlanBatch:
         """Every legal plan for n GPUs (the same set as `enumerate_legal`), sorted."""
-        return self.table(n).batch(n, self.enumerated_extras())
-
-    def enumerated_extras(self) -> dict:
-        """The Optuna-only knobs as enumeration holds them: fixed by the user, else 0."""
-        return {k: int(self.fixed.get(k, 0)) for k in OPTUNA_ONLY_KNOBS}
+        return self.table(n).batch(n)
 
     def known_stats(self) -> dict:
         """Space statistics summed over the GPU counts whose plans were enumerated so far."""
@@ -369,7 +380,18 @@ class PlanSpace:
         plan = dict(zip(SAMPLED, prefix))
         plan.update({kn: 0 for kn in SAMPLED[len(prefix):]})
         plan["dp"] = n // (plan["tp"] * plan["cp"] * plan["pp"])
-        return legal_values_of(name, plan, self.problem(n), self.domain_values(name))
+        values = self.domain_values(name)
+        pair = PAIRED_EXTRAS.get(name)
+        if pair is None or pair not in SAMPLED[len(prefix) + 1:]:
+            return legal_values_of(name, plan, self.problem(n), values)
+        # the first stage's size is legal where some last-stage size completes it (a layer count pp does not
+        # divide needs both); each candidate against every value of its partner, in one check
+        partner = self.domain_values(pair)
+        grid = np.stack(np.meshgrid(values, partner, indexing="ij"), axis=-1).reshape(-1, 2)
+        arrays = {f: np.full(len(grid), int(plan.get(f, 0)), dtype=np.int64) for f in PLAN_FIELDS}
+        arrays[name], arrays[pair] = grid[:, 0], grid[:, 1]
+        legal, _ = check_rows(arrays, self.problem(n))
+        return np.unique(grid[legal, 0])
 
     def project(self, name: str, value, params: dict) -> int:
         """The legal value of `name` nearest to `value`, given the knobs before it."""

@@ -77,11 +77,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     # layer's slot in the even split
     Knob("account_for_embedding", "Acc. emb.", lambda p: (0, 1), lambda v: "yes" if v else "no"),
     Knob("account_for_loss", "Acc. loss", lambda p: (0, 1), lambda v: "yes" if v else "no"),
-    # 0 = even split / every layer; rules below bound them by the plan's stage and chunk sizes. Optuna samples
-    # every value; enumeration adds only uneven_splits' balanced pairs (_uneven_outer), not the whole range
-    Knob("first_layers", "First", lambda p: tuple(range(0, (p.model.num_layers + 1) // 2)),
+    # 0 = even split / every layer; rules below bound them by the plan's stage and chunk sizes (up to L - 1: two
+    # stages of 61 layers split 30 + 31). Optuna samples every value; enumeration adds only uneven_splits' balanced
+    # pairs (_uneven_outer), not the whole range
+    Knob("first_layers", "First", lambda p: tuple(range(0, p.model.num_layers)),
          lambda v: str(v) if v else "even", exhaustive=False),
-    Knob("last_layers", "Last", lambda p: tuple(range(0, (p.model.num_layers + 1) // 2)),
+    Knob("last_layers", "Last", lambda p: tuple(range(0, p.model.num_layers)),
          lambda v: str(v) if v else "even", exhaustive=False),
     Knob("recompute_layers", "Rec. layers", lambda p: tuple(range(0, p.model.num_layers)),
          lambda v: str(v) if v else "all", exhaustive=False),

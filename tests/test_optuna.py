@@ -87,18 +87,21 @@ def test_distributions_derive_from_the_knob_domains(small_space):
     assert (space.distributions["zero"].low, space.distributions["zero"].high) == (0, 3)
 
 
-@pytest.mark.parametrize("sampler", ["table", "tpe", "random", "nsga2", "cmaes"])
-def test_every_trial_is_a_legal_plan(small_space, sampler):
-    spec, space = small_space
-    s = osr.make_sampler(sampler, 3, space, 1)
-    study = optuna.create_study(sampler=s, direction="maximize")
-    problem = space.problem(8)
-    for _ in range(60):
+def assert_trials_legal(space, n: int, sampler: str, trials: int, seed: int) -> None:
+    """Ask `trials` trials of `sampler` (told random values) and check each plan against every rule."""
+    study = optuna.create_study(sampler=osr.make_sampler(sampler, seed, space, 1), direction="maximize")
+    problem = space.problem(n)
+    for _ in range(trials):
         trial = study.ask()
-        n, plan = space.suggest(trial)
+        _, plan = space.suggest(trial)
         legal, counts = check_rows({f: np.array([plan[f]]) for f in PLAN_FIELDS}, problem)
         assert legal[0], (plan, counts)
         study.tell(trial, float(np.random.default_rng(trial.number).random()))
+
+
+@pytest.mark.parametrize("sampler", ["table", "tpe", "random", "nsga2", "cmaes"])
+def test_every_trial_is_a_legal_plan(small_space, sampler):
+    assert_trials_legal(small_space[1], 8, sampler, trials=60, seed=3)
 
 
 def test_projection_picks_the_nearest_legal_value(small_space):
@@ -751,3 +754,56 @@ def test_a_requeued_partial_plan_is_completed_legally(kind):
         assert legal[0], (trial.number, trial.params)
         step, _ = scorer.score(np.array([n]), PlanBatch({f: np.array([plan[f]], dtype=np.int32) for f in PLAN_FIELDS}))
         study.tell(trial, float(step[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Uneven pipeline splits in the Optuna table (enumeration adds them where pp does not divide the layers)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def odd_space(tmp_path_factory):
+    """A 7-layer model on 4 GPUs: pp 4 exists only with uneven end stages (2 + 2 x 2 + 1 or 1 + 2 x 2 + 2) or
+    with the embedding or the loss taking a layer's slot."""
+    cfg = json.loads((REPO / "tests" / "data" / "tiny_llama_config.json").read_text())
+    cfg["num_hidden_layers"] = 7
+    path = tmp_path_factory.mktemp("odd") / "odd_llama.json"
+    path.write_text(json.dumps(cfg))
+    kw = dict(model=str(path), gpu="h100", gpus="4", global_batch=16, seq_len=64)
+    spec = StudySpec(**kw).resolved()
+    return kw, spec, spec.build_space()
+
+
+def test_the_optuna_table_holds_the_uneven_splits(odd_space):
+    _, _, space = odd_space
+    problem = space.problem(4)
+    plans = space.legal_plans(4)
+    stream, _ = enumerate_legal(problem)
+    ref = {tuple(int(b[f][i]) for f in PLAN_FIELDS) for b in stream for i in range(len(b))}
+    got = {tuple(int(plans[f][i]) for f in PLAN_FIELDS) for i in range(len(plans))}
+    assert got == ref and len(got) == len(plans)
+    legal, _ = check_rows({f: np.asarray(plans[f]) for f in PLAN_FIELDS}, problem)
+    assert legal.all()
+    pp4 = np.asarray(plans["pp"]) == 4
+    uneven = np.asarray(plans["first_layers"]) > 0
+    accounted = (np.asarray(plans["account_for_embedding"]) + np.asarray(plans["account_for_loss"])) > 0
+    assert (pp4 & uneven).any() and (uneven | accounted)[pp4].all()     # 7 (+1 accounted) layers on 4 ranks
+    # after a pp 4 prefix the first stage's legal sizes are those a last-stage size completes
+    prefix = {k: int(plans[k][np.flatnonzero(pp4)[0]]) for k in space.distributions
+              if k not in ("first_layers", "last_layers", "recompute_layers")}
+    assert set(space.legal_values("first_layers", prefix).tolist()) >= {1, 2}
+    # 2 first: 1 last leaves 2 x 2 in the middle, 3 last 2 x 1 (Optuna also tries heavier end stages)
+    assert space.legal_values("last_layers", {**prefix, "first_layers": 2}).tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("sampler", ["table", "tpe", "random"])
+def test_every_trial_is_legal_where_pp_needs_uneven_stages(odd_space, sampler):
+    assert_trials_legal(odd_space[2], 4, sampler, trials=40, seed=5)
+
+
+def test_a_study_is_seeded_with_the_exhaustive_best_uneven_split_included(odd_space):
+    kw, _, _ = odd_space
+    kw4 = {**kw, "gpus": 4}
+    ref = exhaustive(build_problem(**kw4))
+    res = optuna_search(StudySpec(**kw, seed=0), n_trials=4)
+    assert res.extra["optuna"]["seeded"]
+    assert res.best["step_time_s"] <= ref.best["step_time_s"] * (1 + 1e-6)
