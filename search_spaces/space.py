@@ -224,6 +224,10 @@ def _deepspeed(p: Problem) -> bool:
     return p.job.framework.framework is Framework.DEEPSPEED
 
 
+def _jax(p: Problem) -> bool:
+    return p.job.framework.framework is Framework.JAX
+
+
 def _recomputes(a, name: str):
     return (a["recompute"] == _SELECTIVE) & ((a["recompute_modules"] & module_bit(name)) != 0)
 
@@ -322,6 +326,15 @@ RULES: tuple[Rule, ...] = (
                       f"last_layers={_v(a,'last_layers')} "
                       "with --framework deepspeed: DeepSpeed's PipelineModule splits the transformer layers itself "
                       "(partition_method='type:transformer'); use the even split"),
+    # MaxText (--framework jax) splits the decoder layers evenly over its pipeline stages (pipeline.py: layers per
+    # stage = num_decoder_layers / (ici x dcn pipeline parallelism)); a Megatron split has no MaxText key
+    Rule("jax_split", lambda a, p: (not _jax(p)) | ((a["layout"] == 0) & (a["account_for_embedding"] == 0)
+                                                    & (a["account_for_loss"] == 0) & (a["first_layers"] == 0)
+                                                    & (a["last_layers"] == 0)),
+         lambda a, p: f"account_for_embedding={_v(a,'account_for_embedding')}/account_for_loss="
+                      f"{_v(a,'account_for_loss')}/first_layers={_v(a,'first_layers')}/"
+                      f"last_layers={_v(a,'last_layers')} with --framework jax: MaxText splits the decoder layers "
+                      "evenly over its pipeline stages; use the even split"),
     # first of the inner rules: enumeration drops the pairs that break it before expanding
     Rule("recompute_modules_selective", lambda a, p: (a["recompute"] == _SELECTIVE) == (a["recompute_modules"] != 0),
          lambda a, p: ("recompute=selective needs recompute_modules (Megatron-Core's default: core_attn; "
@@ -453,7 +466,7 @@ RULES: tuple[Rule, ...] = (
 #: enumeration can apply them to the small outer grid before expanding the inner knobs
 MESH_RULES = ("gpus", "tp_heads", "cp_seq", "cp_ring_attention", "ep_experts", "ep_fold", "etp_ffn", "vpp_needs_pp", "pp_split",
               "account_needs_pp", "account_not_uneven", "stage_layers_need_pp", "stage_layers_vpp",
-              "stage_layers_rest", "deepspeed_no_interleave", "deepspeed_no_cp", "deepspeed_split")
+              "stage_layers_rest", "deepspeed_no_interleave", "deepspeed_no_cp", "deepspeed_split", "jax_split")
 assert tuple(r.name for r in RULES[:len(MESH_RULES)]) == MESH_RULES
 
 
@@ -592,8 +605,8 @@ def uneven_splits(num_layers: int, pp: int, vpp: int) -> tuple:
 def _uneven_outer(problem: Problem, dom: dict) -> dict | None:
     """Outer-grid rows with uneven pipeline stages (`uneven_splits`) for every pp and vpp of the domains, when
     the caller fixed neither stage size, nor a layout, nor the embedding / loss accounting, and the framework
-    has the flags (Megatron-DeepSpeed balances stages itself)."""
-    if (_deepspeed(problem) or dom["first_layers"] != (0,) or dom["last_layers"] != (0,) or dom["layout"] != (0,)
+    has the flags (Megatron-DeepSpeed balances stages itself, MaxText splits evenly)."""
+    if (_deepspeed(problem) or _jax(problem) or dom["first_layers"] != (0,) or dom["last_layers"] != (0,) or dom["layout"] != (0,)
             or 0 not in dom["account_for_embedding"] or 0 not in dom["account_for_loss"]):
         return None
     split = [(pp, v, f, l) for pp in dom["pp"] for v in dom["vpp"]

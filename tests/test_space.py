@@ -46,6 +46,7 @@ def _problem(model=DENSE, job=JOB, cluster=CLUSTER16) -> Problem:
 
 # (rule, why, problem, plan that breaks the rule, the same plan fixed[, rules it must also break])
 _DS = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(framework=Framework.DEEPSPEED))
+_JAX = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(framework=Framework.JAX))
 _FLEX = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(moe_token_dispatcher_type=DispatcherType.FLEX))
 _EP_OVERLAP = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(overlap_moe_expert_parallel_comm=True))
 _OFFLOAD = JobSpec(global_batch=32, seq_len=1024, framework=FrameworkSpec(cpu_offloading_num_layers=2))
@@ -165,6 +166,8 @@ _CASES = [
      Plan(cp=2, dp=8), Plan(tp=2, dp=8)),
     ("deepspeed_split", "Megatron-Core's account-for flags on DeepSpeed's PipelineModule", _problem(job=_DS),
      Plan(pp=2, dp=8, account_for_embedding=True, account_for_loss=True), Plan(pp=2, dp=8)),
+    ("jax_split", "a Megatron pipeline split on MaxText, which splits evenly", _problem(job=_JAX),
+     Plan(pp=2, dp=8, first_layers=3, last_layers=5), Plan(pp=2, dp=8)),
     ("deepspeed_recompute", "selective recompute of more than the core attention in Megatron-DeepSpeed",
      _problem(job=_DS), Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn", "layernorm")),
      Plan(dp=16, recompute=Recompute.SELECTIVE, recompute_modules=("core_attn",))),
