@@ -228,6 +228,27 @@ def _jax(p: Problem) -> bool:
     return p.job.framework.framework is Framework.JAX
 
 
+def deepspeed_partition(num_layers: int, pp: int) -> tuple | None:
+    """(first_layers, last_layers) standing for the split DeepSpeed's PipelineModule makes itself where pp does
+    not divide the layers (partition_method='type:transformer' balances them: at most ceil(L / pp) per stage),
+    as `validate`'s balanced layout reads it: ceil(L / pp) on the first and middle stages, the rest on the last.
+    None where pp divides them (the even split) or the rest would be empty."""
+    if pp < 2 or num_layers % pp == 0:
+        return None
+    k = -(-num_layers // pp)
+    last = num_layers - (pp - 1) * k
+    return (k, last) if last >= 1 else None
+
+
+def _is_deepspeed_partition(a, p):
+    """Rows whose first / last stage sizes are deepspeed_partition's for their pp (vpp 1)."""
+    L = p.model.num_layers
+    pp = np.maximum(a["pp"], 1)
+    k = -(-L // pp)
+    return ((L % pp) != 0) & (a["vpp"] == 1) & (a["first_layers"] == k) & (a["last_layers"] == L - (pp - 1) * k) \
+        & (L - (pp - 1) * k >= 1)
+
+
 def _recomputes(a, name: str):
     return (a["recompute"] == _SELECTIVE) & ((a["recompute_modules"] & module_bit(name)) != 0)
 
@@ -317,15 +338,19 @@ RULES: tuple[Rule, ...] = (
     # GPTModelPipe builds PipelineModule(partition_method='type:transformer'): DeepSpeed places the layers
     # itself, with the embedding on the first stage and the loss on the last; Megatron-Core's
     # --account-for-*-in-pipeline-split and --decoder-first/last-pipeline-num-layers do not exist there
-    # (a layout is never searched: `validate` gives one where L / pp is not whole, the split DeepSpeed balances)
+    # (a layout is never searched: `validate` gives one where L / pp is not whole, the split DeepSpeed balances).
+    # Where pp does not divide the layers, the first / last stage sizes may only say how DeepSpeed balances them
+    # (deepspeed_partition): no flag sets them, the engine does
     Rule("deepspeed_split", lambda a, p: (not _deepspeed(p)) | (a["layout"] > 0) | ((a["account_for_embedding"] == 0)
                                                                & (a["account_for_loss"] == 0)
-                                                               & (a["first_layers"] == 0) & (a["last_layers"] == 0)),
+                                                               & (((a["first_layers"] == 0) & (a["last_layers"] == 0))
+                                                                  | _is_deepspeed_partition(a, p))),
          lambda a, p: f"account_for_embedding={_v(a,'account_for_embedding')}/account_for_loss="
                       f"{_v(a,'account_for_loss')}/first_layers={_v(a,'first_layers')}/"
                       f"last_layers={_v(a,'last_layers')} "
                       "with --framework deepspeed: DeepSpeed's PipelineModule splits the transformer layers itself "
-                      "(partition_method='type:transformer'); use the even split"),
+                      "(partition_method='type:transformer'); give only pp (the even split, or DeepSpeed's "
+                      "balanced one where pp does not divide the layers)"),
     # MaxText (--framework jax) splits the decoder layers evenly over its pipeline stages (pipeline.py: layers per
     # stage = num_decoder_layers / (ici x dcn pipeline parallelism)); a Megatron split has no MaxText key
     Rule("jax_split", lambda a, p: (not _jax(p)) | ((a["layout"] == 0) & (a["account_for_embedding"] == 0)
@@ -531,6 +556,12 @@ def complete_plan(values: dict, problem: Problem) -> Plan:
         v["recompute_modules"] = DEFAULT_RECOMPUTE_MODULES
     if "layout" in v and "vpp" not in v:
         v["vpp"] = max(1, len(expand_layout(v["layout"])) // max(v.get("pp", 1), 1))
+    if _deepspeed(problem) and not (v.get("layout") or v.get("first_layers") or v.get("last_layers")) \
+            and v.get("vpp", 1) == 1:
+        # Megatron-DeepSpeed's pp alone: where it does not divide the layers, the engine's own balanced split
+        part = deepspeed_partition(problem.model.num_layers, v.get("pp", 1))
+        if part:
+            v["first_layers"], v["last_layers"] = part
     return Plan(**v)
 
 
@@ -605,12 +636,18 @@ def uneven_splits(num_layers: int, pp: int, vpp: int) -> tuple:
 def _uneven_outer(problem: Problem, dom: dict) -> dict | None:
     """Outer-grid rows with uneven pipeline stages (`uneven_splits`) for every pp and vpp of the domains, when
     the caller fixed neither stage size, nor a layout, nor the embedding / loss accounting, and the framework
-    has the flags (Megatron-DeepSpeed balances stages itself, MaxText splits evenly)."""
-    if (_deepspeed(problem) or _jax(problem) or dom["first_layers"] != (0,) or dom["last_layers"] != (0,) or dom["layout"] != (0,)
+    has the flags (MaxText splits evenly); for Megatron-DeepSpeed the one split its engine makes itself
+    (deepspeed_partition)."""
+    if (_jax(problem) or dom["first_layers"] != (0,) or dom["last_layers"] != (0,) or dom["layout"] != (0,)
             or 0 not in dom["account_for_embedding"] or 0 not in dom["account_for_loss"]):
         return None
-    split = [(pp, v, f, l) for pp in dom["pp"] for v in dom["vpp"]
-             for f, l in uneven_splits(problem.model.num_layers, int(pp), int(v))]
+    L = problem.model.num_layers
+    if _deepspeed(problem):
+        # DeepSpeed balances the layers itself: one split per pp, which no flag sets
+        split = [(pp, 1, *deepspeed_partition(L, int(pp))) for pp in dom["pp"]
+                 if 1 in dom["vpp"] and deepspeed_partition(L, int(pp))]
+    else:
+        split = [(pp, v, f, l) for pp in dom["pp"] for v in dom["vpp"] for f, l in uneven_splits(L, int(pp), int(v))]
     if not split:
         return None
     cols = np.asarray(split, dtype=np.int64).T

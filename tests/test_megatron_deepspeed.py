@@ -213,3 +213,49 @@ def test_search_says_when_a_moe_model_is_scored_for_megatron_deepspeed(model, fr
             "--framework", framework, "--no-save", "--top", "1")
     assert r.exit_code == 0, r.stderr
     assert ("Megatron-DeepSpeed runs DeepSpeed-MoE" in " ".join(r.stdout.split())) == says
+
+
+# DeepSpeed balances the layers over its pipeline stages itself where pp does not divide them. BLOOM 176B (70
+# layers) ran TP 4, PP 12, DP 8 on 384 A100 with Megatron-DeepSpeed (BigScience 2022, arXiv:2211.05100, sec. 3.4):
+# a plan Megatron-Core's even split cannot express. The model reads DeepSpeed's split as ceil(70 / 12) = 6 layers
+# on the first and middle stages and the 4 left on the last (as `validate`'s balanced layout does).
+BLOOM = {"model_type": "gpt2", "n_layer": 70, "n_embd": 14336, "n_head": 112, "n_inner": 57344, "vocab_size": 250880,
+         "n_positions": 2048}      # BLOOM's shape as a GPT (its ALiBi and embedding norm are not what is tested)
+
+
+def _bloom(tmp_path, framework):
+    path = tmp_path / "bloom.json"
+    path.write_text(json.dumps(BLOOM))
+    return api.build_problem(model=str(path), gpu="a100-80gb", gpus=384, global_batch=2048, seq_len=2048,
+                             framework={"framework": framework})
+
+
+def test_blooms_published_pipeline_is_scored_with_deepspeeds_own_split(tmp_path):
+    problem = _bloom(tmp_path, "deepspeed")
+    plan = api.plan_from_text("tp=4,pp=12,mbs=2,recompute=full,zero=1", problem)
+    assert (plan.first_layers, plan.last_layers) == (6, 4)
+    check_plan(plan, problem)
+    assert api.predict_plan(problem, plan)["fits"]
+    # no flag sets it: the export gives pp alone, as BLOOM's launcher did
+    text = export("megatron-deepspeed", plan, problem).text
+    assert "--pipeline-model-parallel-size 12" in text and "decoder-first" not in text and "layout" not in text
+    # another split is not what DeepSpeed makes
+    with pytest.raises(SpecError, match=r"plan \(deepspeed_split\)"):
+        check_plan(api.plan_from_text("tp=4,pp=12,mbs=2,recompute=full,zero=1,first_layers=4,last_layers=6",
+                                      problem), problem)
+    # Megatron-Core without first/last flags or a layout still refuses pp 12 for 70 layers
+    with pytest.raises(SpecError, match=r"plan \(pp_split\)"):
+        check_plan(api.plan_from_text("tp=4,pp=12,mbs=2,recompute=full,zero=1", _bloom(tmp_path, "megatron")),
+                   _bloom(tmp_path, "megatron"))
+
+
+def test_the_deepspeed_search_pipelines_a_layer_count_pp_does_not_divide(tmp_path):
+    problem = _bloom(tmp_path, "deepspeed")
+    stream, _ = enumerate_legal(problem)
+    batches = list(stream)
+    rows = {f: np.concatenate([np.asarray(b[f]) for b in batches]) for f in ("pp", "first_layers", "last_layers")}
+    odd = 70 % rows["pp"] != 0
+    assert (rows["pp"][odd] == 12).any()
+    k = -(-70 // rows["pp"][odd])
+    assert (rows["first_layers"][odd] == k).all() and (rows["last_layers"][odd] == 70 - (rows["pp"][odd] - 1) * k).all()
+    assert (rows["first_layers"][~odd] == 0).all()
