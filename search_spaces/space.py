@@ -351,8 +351,8 @@ RULES: tuple[Rule, ...] = (
                       "with --framework deepspeed: DeepSpeed's PipelineModule splits the transformer layers itself "
                       "(partition_method='type:transformer'); give only pp (the even split, or DeepSpeed's "
                       "balanced one where pp does not divide the layers)"),
-    # MaxText (--framework jax) splits the decoder layers evenly over its pipeline stages (pipeline.py: layers per
-    # stage = num_decoder_layers / (ici x dcn pipeline parallelism)); a Megatron split has no MaxText key
+    # MaxText (--framework jax) splits the decoder layers evenly over its pipeline stages (one layers-per-stage
+    # number, no per-stage sizes); a Megatron split has no MaxText key (export.maxtext_config refuses it too)
     Rule("jax_split", lambda a, p: (not _jax(p)) | ((a["layout"] == 0) & (a["account_for_embedding"] == 0)
                                                     & (a["account_for_loss"] == 0) & (a["first_layers"] == 0)
                                                     & (a["last_layers"] == 0)),
