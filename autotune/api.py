@@ -29,7 +29,7 @@ class OptunaRun:
 def search(problem: Problem | StudySpec, *, strategy: str = "exhaustive", top_k: int = 10,
            memory_limit_gb: float | None = None, params: EfficiencyParams | None = None,
            fixed: dict | None = None, run: OptunaRun | None = None, progress=None,
-           space=None) -> SearchResult:
+           space=None, max_legal: int | None = None) -> SearchResult:
     """The one search entry point (the CLI calls it for every strategy).
 
     `problem` is a Problem (one GPU count, exhaustive) or a StudySpec (the problem by names, a GPU
@@ -52,7 +52,7 @@ def search(problem: Problem | StudySpec, *, strategy: str = "exhaustive", top_k:
         params = params or spec.params()
     elif strategy == "optuna":
         raise SpecError("strategy", "an Optuna search takes a StudySpec (the problem by names, objectives, sampler)")
-    return exhaustive(problem, params, top_k=top_k, memory_limit_gb=memory_limit_gb, fixed=fixed)
+    return exhaustive(problem, params, top_k=top_k, memory_limit_gb=memory_limit_gb, fixed=fixed, max_legal=max_legal)
 
 
 def predict_plan(problem: Problem, plan: Plan, *, memory_limit_gb: float | None = None,

@@ -18,6 +18,15 @@ class NoLegalPlan(SpecError):
     """No plan satisfies the legality rules (bad input: exit code 2)."""
 
 
+class TooManyPlans(Exception):
+    """An exhaustive search with `max_legal` met more legal plans than that (`legal`: counted so far)."""
+
+    def __init__(self, legal: int, max_legal: int):
+        super().__init__(f"more than {max_legal:,} legal plans")
+        self.legal = legal
+        self.max_legal = max_legal
+
+
 class NothingFits(Exception):
     """Legal plans exist but none fits in memory (exit code 3). Carries the closest plan."""
 
@@ -94,8 +103,11 @@ def _no_legal_plan_message(problem: Problem, fixed: dict | None, total: int) -> 
 
 
 def exhaustive(problem: Problem, params: EfficiencyParams | None = None, *, top_k: int = 10,
-               memory_limit_gb: float | None = None, fixed: dict | None = None) -> SearchResult:
-    """Score every legal plan; return the fastest that fit, best first."""
+               memory_limit_gb: float | None = None, fixed: dict | None = None,
+               max_legal: int | None = None) -> SearchResult:
+    """Score every legal plan; return the fastest that fit, best first. With `max_legal`, raise TooManyPlans
+    as soon as the enumeration passes that many (`search --strategy auto` then runs Optuna: one pass over the
+    space instead of counting it first)."""
     params = params or EfficiencyParams()
     t0 = time.perf_counter()
     inp = Inputs(problem, memory_limit_gb)
@@ -106,6 +118,8 @@ def exhaustive(problem: Problem, params: EfficiencyParams | None = None, *, top_
     closest = _TopK(1)
     n_fit = 0
     for batch in stream:
+        if max_legal is not None and stats.legal > max_legal:
+            raise TooManyPlans(stats.legal, max_legal)
         steps, mems = score_summary(batch, inp, params)
         fits = mems <= limit
         n_fit += int(fits.sum())

@@ -229,11 +229,12 @@ def search(
                            inter_node_bw, cluster, fw)
     if not no_save:
         check_writable_folder(out, "out")          # before the search (after the input is checked), not after it
+    # `auto` on one GPU count: no counting pass; the exhaustive search stops once it passes the limit
+    deferred = []
     choice = optuna_cmds.choose(strategy, gpus=gpu_count, objectives=objective, optuna_options=given,
-                                count_legal=lambda: optuna_cmds.legal_count(problem or _problem(
-                                    model, gpu, gpu_count, global_batch, seq_len, precision, gpus_per_node,
-                                    intra_node_bw, inter_node_bw, cluster, fw)))
-    if choice.strategy == "optuna" or optuna_cmds.is_gpu_range(gpu_count):
+                                count_legal=lambda: deferred.append(True) or 0)
+
+    def run_optuna(choice):
         return optuna_cmds.run_optuna_search(
             model=model, gpu=gpu, gpus=gpu_count, global_batch=global_batch, seq_len=seq_len, precision=precision,
             gpus_per_node=gpus_per_node, intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, cluster=cluster,
@@ -242,15 +243,25 @@ def search(
             objectives=objective, storage=storage, study=study, batch_size=batch_size, choice=choice,
             requested=strategy, with_sensitivity=with_sensitivity, framework=fw, export_to=export_to,
             headroom=room, verification=verification)
+    if choice.strategy == "optuna" or optuna_cmds.is_gpu_range(gpu_count):
+        return run_optuna(choice)
     from autotune import api
     from autotune.advice import no_legal_plan_advice, nothing_fits_advice
     from autotune.report import save_report, search_report
-    from autotune.search import NoLegalPlan, NothingFits
+    from autotune.search import NoLegalPlan, NothingFits, TooManyPlans
+    from autotune.strategy import AUTO_EXHAUSTIVE_MAX, StrategyChoice
     params, params_source = api.load_params(calibration, problem.cluster.gpu.name)
     try:
         with spinner("Scoring every legal plan...", enabled=not as_json):
             result = api.search(problem, strategy="exhaustive", top_k=top, memory_limit_gb=memory_limit_gb,
-                                params=params)
+                                params=params, max_legal=AUTO_EXHAUSTIVE_MAX if deferred else None)
+        if deferred:
+            n = int(result.space["legal"])
+            choice = StrategyChoice("exhaustive", f"{n:,} legal plans <= {AUTO_EXHAUSTIVE_MAX:,}: scored in a few "
+                                    "seconds", n)
+    except TooManyPlans as exc:
+        return run_optuna(StrategyChoice("optuna", f"more than {exc.max_legal:,} legal plans (stopped counting at "
+                                         f"{exc.legal:,})", exc.legal))
     except NothingFits as exc:
         advice = nothing_fits_advice(problem, params, memory_limit_gb)
         if as_json:

@@ -93,12 +93,6 @@ def parse_search_gpus(text: Optional[str]) -> int | GpuRange | None:
     return parsed
 
 
-def legal_count(problem) -> int:
-    """How many legal plans the problem has (what `--strategy auto` compares with its threshold)."""
-    from search_spaces.space import count_legal
-    return count_legal(problem).legal
-
-
 #: the choice for a GPU range under `auto`, made final by `run_optuna_search` once the range is counted
 RANGE_PENDING = "the GPU count is a range"
 

@@ -807,3 +807,19 @@ def test_a_study_is_seeded_with_the_exhaustive_best_uneven_split_included(odd_sp
     res = optuna_search(StudySpec(**kw, seed=0), n_trials=4)
     assert res.extra["optuna"]["seeded"]
     assert res.best["step_time_s"] <= ref.best["step_time_s"] * (1 + 1e-6)
+
+
+def test_cli_auto_scores_in_one_pass_and_falls_back_to_optuna_past_the_limit(monkeypatch):
+    """`auto` on one GPU count runs the exhaustive search with the limit and no counting pass first; past the limit it
+    stops and runs Optuna, saying so."""
+    import autotune.strategy as strategy
+    r = run_cli("search", *SMALL_CLI, "--json", "--no-save")
+    rep = json.loads(r.stdout)
+    assert rep["strategy_choice"]["chosen"] == "exhaustive"
+    assert rep["strategy_choice"]["legal_plans"] == rep["space"]["legal"] > 1000
+    monkeypatch.setattr(strategy, "AUTO_EXHAUSTIVE_MAX", 1000)
+    r = run_cli("search", *SMALL_CLI, "--json", "--no-save")
+    assert r.exit_code == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["strategy"] == "optuna" and rep["strategy_choice"]["chosen"] == "optuna"
+    assert "more than 1,000 legal plans" in rep["strategy_choice"]["reason"]
