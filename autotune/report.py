@@ -159,7 +159,7 @@ def _ep_sentence(best: dict, problem: Problem) -> str:
         plan = Plan.from_dict(best["plan"])
         check_plan(plan, flex)
         got = predict(flex, plan)
-    except (SpecError, ValueError, KeyError, TypeError):
+    except SpecError:
         return ""                                        # a plan or option flex cannot run: nothing to suggest
     if got["step_time_s"] > (1.0 - FLEX_WORTH_SAYING) * step:
         return ""

@@ -229,10 +229,11 @@ def search(
                            inter_node_bw, cluster, fw)
     if not no_save:
         check_writable_folder(out, "out")          # before the search (after the input is checked), not after it
-    # `auto` on one GPU count: no counting pass; the exhaustive search stops once it passes the limit
-    deferred = []
+    # `auto` on one GPU count counts nothing first: an exhaustive choice it makes is checked by the search itself,
+    # which stops once it passes the limit
     choice = optuna_cmds.choose(strategy, gpus=gpu_count, objectives=objective, optuna_options=given,
-                                count_legal=lambda: deferred.append(True) or 0)
+                                count_legal=None)
+    deferred = strategy.strip().lower() == "auto" and choice.strategy == "exhaustive"
 
     def run_optuna(choice):
         return optuna_cmds.run_optuna_search(

@@ -98,8 +98,9 @@ RANGE_PENDING = "the GPU count is a range"
 
 
 def choose(strategy: str, *, gpus, objectives, optuna_options: list[str],
-           count_legal: Callable[[], int]) -> osr.StrategyChoice:
-    """Which strategy `search` runs, and why (`--strategy auto` is the default)."""
+           count_legal: Callable[[], int] | None) -> osr.StrategyChoice:
+    """Which strategy `search` runs, and why (`--strategy auto` is the default). Without `count_legal`, `auto` on
+    one GPU count chooses exhaustive and leaves the limit to the search (`exhaustive(max_legal=...)`)."""
     req = str(strategy).strip().lower()
     if req == "exhaustive" and optuna_options:
         raise SpecError(optuna_options[0], "applies to --strategy optuna or auto, not exhaustive")

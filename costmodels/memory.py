@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from .breakdown import Memory
 from .communication import DataParallelGroups
-from .compute import Shapes, lora_attention_linears, lora_mlp_linears, moe_load
+from .compute import Shapes, local_experts, lora_attention_linears, lora_mlp_linears, moe_load
 from .params import EfficiencyParams
 from .pipeline import in_flight_micro_batches
 from .specs import Precision
@@ -41,6 +41,13 @@ class StageParams(NamedTuple):
     expert: object           # this rank's share of expert parameters
 
 
+def layer_params(M: dict):
+    """(a dense layer's, an MoE layer's) parameters outside the routed experts: attention and the MLP, or attention,
+    the shared experts and the router."""
+    moe = M["attn_params"] + M["shared_ffn"] * M["hidden"] * (2.0 + M["gated"]) + M["router_params"]
+    return M["attn_params"] + M["dense_mlp_params"], moe
+
+
 def stage_params(S: Shapes, M: dict, n, holds_ends, holds_mtp=0.0) -> StageParams:
     """Parameters of a rank with n layers: layers / tp (experts / (ep*etp)), plus the embedding on
     the first rank and the output layer on the last (a copy when tied; one rank holds both when
@@ -48,8 +55,8 @@ def stage_params(S: Shapes, M: dict, n, holds_ends, holds_mtp=0.0) -> StageParam
     eh_proj (2h x h, column-parallel) and, apart from the first rank, an embedding of its own for the
     next tokens (Megatron-Core GPTModel builds one where mtp_process; tied, it is the output layer's)."""
     h, fm = M["hidden"], S.frac_moe
-    layer = M["attn_params"] + (1.0 - fm) * M["dense_mlp_params"] \
-        + fm * (M["shared_ffn"] * h * (2.0 + M["gated"]) + M["router_params"])
+    dense_layer, moe_layer = layer_params(M)
+    layer = (1.0 - fm) * dense_layer + fm * moe_layer
     single = (S.pp == 1).astype(jnp.float32)
     emb = M["vocab"] * h / S.tp * (1.0 + single * (1.0 - M["tied"]))
     mtp = holds_mtp * (M["mtp_layers"] * 2.0 * h * h / S.tp
@@ -230,8 +237,8 @@ def offload_copy_s(S: Shapes, M: dict, H: dict, J: dict, e: EfficiencyParams, n,
 
 
 class Zero3Buffers(NamedTuple):
-    params: object           # bytes of unsharded parameters live at once
-    grads: object            # bytes of unsharded gradients live at once, before their reduce-scatter
+    params: object           # bytes of unsharded parameters live at once (two units)
+    unit_grads: object       # bytes of one unit's unsharded gradients, before their reduce-scatter
 
 
 def zero3_unit_bytes(S: Shapes, M: dict, J: dict) -> Zero3Buffers:
@@ -248,15 +255,14 @@ def zero3_unit_bytes(S: Shapes, M: dict, J: dict) -> Zero3Buffers:
     (stage3_prefetch_bucket_size): two of the largest weight matrices, and its gradients reduce per module."""
     h, g, tp = M["hidden"], M["gated"], S.tp
     largest_matrix = jnp.maximum(jnp.maximum(M["ffn"], M["q_up_n"]) * h, M["expert_ffn"] * h * (1.0 + g)) / tp
-    dense_layer = (M["attn_params"] + M["dense_mlp_params"]) / tp
-    moe_layer = ((M["attn_params"] + M["shared_ffn"] * h * (2.0 + g) + M["router_params"]) / tp
-                 + M["experts"] * M["expert_params"] / (S.ep * S.etp))
+    dense, moe = layer_params(M)
+    moe = moe / tp + local_experts(S, M) * M["expert_params"] / S.etp
     fm = S.frac_moe
-    layer = jnp.where(fm > 0, jnp.maximum(jnp.where(fm < 1, dense_layer, 0.0), moe_layer), dense_layer)
+    layer = jnp.where(fm > 0, jnp.maximum(jnp.where(fm < 1, dense / tp, 0.0), moe), dense / tp)
     deepspeed = J["deepspeed"] > 0
     params = jnp.where(deepspeed, 2.0 * J["weight_bytes"] * largest_matrix, 2.0 * J["primary_weight_bytes"] * layer)
-    grads = jnp.where(deepspeed, 0.0, 2.0 * J["grad_bytes"] * layer * (1.0 - J["lora"]))
-    return Zero3Buffers(params, grads)
+    unit_grads = jnp.where(deepspeed, 0.0, J["grad_bytes"] * layer * (1.0 - J["lora"]))
+    return Zero3Buffers(params, unit_grads)
 
 
 def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataParallelGroups,
@@ -275,10 +281,9 @@ def rank_memory(S: Shapes, M: dict, J: dict, e: EfficiencyParams, groups: DataPa
     # the activation peak opens the backward: one unit's gradients are live there; the second appears one layer
     # later, once that layer's stored activations are freed, so it adds only what exceeds them
     freed = jnp.where(n_recomputed > 0, acts.full, per_layer)
-    unit_grads = fsdp.grads / 2.0
     weights = (wbytes * sharded(params, groups, z >= 3) + z3 * fsdp.params + J["weight_bytes"] * adapters)
     gradients = (J["grad_bytes"] * sharded(trained, groups, z >= 2)
-                 + z3 * (unit_grads + jnp.maximum(unit_grads - freed, 0.0)))
+                 + z3 * (fsdp.unit_grads + jnp.maximum(fsdp.unit_grads - freed, 0.0)))
     # a backward pass's own gradient buffer (FrameworkSpec.microbatch_grad_buffer): beside an accumulator
     # (several micro-batches without a pipeline) or a ZeRO-2/3 shard; else it is the gradient itself
     own_buffer = ((S.micro_batches > 1) & (S.pp == 1)) | (z >= 2)

@@ -233,20 +233,22 @@ def deepspeed_partition(num_layers: int, pp: int) -> tuple | None:
     not divide the layers (partition_method='type:transformer' balances them: at most ceil(L / pp) per stage),
     as `validate`'s balanced layout reads it: ceil(L / pp) on the first and middle stages, the rest on the last.
     None where pp divides them (the even split) or the rest would be empty."""
-    if pp < 2 or num_layers % pp == 0:
-        return None
+    first, last, exists = _deepspeed_sizes(num_layers, pp)
+    return (int(first), int(last)) if exists else None
+
+
+def _deepspeed_sizes(num_layers: int, pp):
+    """deepspeed_partition's (first, last, whether it exists) for a pp or an array of them."""
+    pp = np.maximum(pp, 1)
     k = -(-num_layers // pp)
     last = num_layers - (pp - 1) * k
-    return (k, last) if last >= 1 else None
+    return k, last, (pp >= 2) & (num_layers % pp != 0) & (last >= 1)
 
 
 def _is_deepspeed_partition(a, p):
     """Rows whose first / last stage sizes are deepspeed_partition's for their pp (vpp 1)."""
-    L = p.model.num_layers
-    pp = np.maximum(a["pp"], 1)
-    k = -(-L // pp)
-    return ((L % pp) != 0) & (a["vpp"] == 1) & (a["first_layers"] == k) & (a["last_layers"] == L - (pp - 1) * k) \
-        & (L - (pp - 1) * k >= 1)
+    first, last, exists = _deepspeed_sizes(p.model.num_layers, a["pp"])
+    return exists & (a["vpp"] == 1) & (a["first_layers"] == first) & (a["last_layers"] == last)
 
 
 def _recomputes(a, name: str):
@@ -644,8 +646,8 @@ def _uneven_outer(problem: Problem, dom: dict) -> dict | None:
     L = problem.model.num_layers
     if _deepspeed(problem):
         # DeepSpeed balances the layers itself: one split per pp, which no flag sets
-        split = [(pp, 1, *deepspeed_partition(L, int(pp))) for pp in dom["pp"]
-                 if 1 in dom["vpp"] and deepspeed_partition(L, int(pp))]
+        parts = {int(pp): deepspeed_partition(L, int(pp)) for pp in dom["pp"]} if 1 in dom["vpp"] else {}
+        split = [(pp, 1, *part) for pp, part in parts.items() if part]
     else:
         split = [(pp, v, f, l) for pp in dom["pp"] for v in dom["vpp"] for f, l in uneven_splits(L, int(pp), int(v))]
     if not split:
